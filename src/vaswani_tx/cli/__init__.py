@@ -1,0 +1,40 @@
+"""`vaswani-tx`: one thin module per command.
+
+Each command module defines ``add_arguments(parser)`` and ``run(args) -> int``; it is imported only
+when its command runs, so ``vaswani-tx --help`` stays fast and a command's heavy imports (datasets,
+the Trainer) never slow down another.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# command name -> (module under vaswani_tx.cli, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "params": ("params", "print parameter counts of model configs against the paper's Table 3"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="vaswani-tx",
+        description="The Transformer of 'Attention Is All You Need' (Vaswani et al., 2017) on Hugging Face.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name, (module_name, help_text) in COMMANDS.items():
+        module = importlib.import_module(f"vaswani_tx.cli.{module_name}")
+        command_parser = sub.add_parser(name, help=help_text, description=module.__doc__)
+        module.add_arguments(command_parser)
+        command_parser.set_defaults(_run=module.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args._run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
