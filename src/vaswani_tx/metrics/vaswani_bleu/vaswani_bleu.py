@@ -120,7 +120,7 @@ class PaperTokenizer:
 
     def signature(self) -> str:
         return (
-            f"paper-tokenized|tok:moses-{self.lang}(sacremoses-{version("sacremoses")})|"
+            f"paper-tokenized|tok:moses-{self.lang}(sacremoses-{version('sacremoses')})|"
             f"unicode-punct:replaced|compound-split:{'yes' if self.compound_splitting else 'no'}|"
             "case:mixed|multi-bleu|not-comparable-to-sacrebleu"
         )
