@@ -1,0 +1,164 @@
+"""Scoring translations: the package's ``vaswani_bleu`` metric, ``compute_metrics`` for ``Seq2SeqTrainer``, and file scoring.
+
+Every score comes from one ``evaluate`` module shipped inside the package
+(``metrics/vaswani_bleu/vaswani_bleu.py``), loaded from its file path so ``evaluate`` never looks at
+the hub. It reports two BLEUs that must not be compared with each other:
+
+* ``sacrebleu``: detokenized corpus BLEU with sacreBLEU's signature, the figure to report today;
+* ``tokenized_bleu``: the paper's Table 2 figure (Section 6.1), BLEU on Moses-tokenized text with
+  EN-DE compounds split as ``##AT##-##AT##``; it counts more, easier tokens and typically reads higher.
+
+This module imports neither the model nor training code: scoring needs only text.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from os import PathLike
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+if TYPE_CHECKING:
+    import evaluate
+    from transformers import EvalPrediction, PreTrainedTokenizerBase
+
+logger = logging.getLogger(__name__)
+
+METRIC_PATH: Path = Path(__file__).resolve().parent / "metrics" / "vaswani_bleu" / "vaswani_bleu.py"
+"""The metric module file: ``evaluate.load(str(METRIC_PATH))`` works offline."""
+
+# The numeric results, the ones a Trainer can log; signatures are strings and are logged instead.
+TRAINER_METRIC_KEYS = ("sacrebleu", "chrf", "tokenized_bleu")
+
+
+def load_metric(**kwargs: Any) -> evaluate.EvaluationModule:
+    """``evaluate.load`` of the package's ``vaswani_bleu`` module; kwargs go to ``evaluate.load``.
+
+    The path is a file that exists, so ``evaluate`` takes its local branch and never contacts the hub.
+    Predictions are kept in memory by default: nothing here needs ``evaluate``'s on-disk cache.
+    """
+    import evaluate
+
+    if not METRIC_PATH.is_file():
+        raise FileNotFoundError(f"metric module missing from the installed package: {METRIC_PATH}")
+    kwargs.setdefault("keep_in_memory", True)
+    return evaluate.load(str(METRIC_PATH), **kwargs)
+
+
+def score(
+    hypotheses: Sequence[str],
+    references: Sequence[str] | Sequence[Sequence[str]],
+    target_lang: str,
+    compound_splitting: bool | None = None,
+    metric: evaluate.EvaluationModule | None = None,
+) -> dict[str, Any]:
+    """All of the metric's results for lists of strings (see the metric module for the keys)."""
+    metric = metric if metric is not None else load_metric()
+    return metric.compute(
+        predictions=list(hypotheses),
+        references=list(references),
+        target_lang=target_lang,
+        compound_splitting=compound_splitting,
+    )
+
+
+def read_lines(path: str | PathLike[str]) -> list[str]:
+    """Lines of a UTF-8 text file, read as the ``sacrebleu`` command line reads them.
+
+    Lines end at ``\\n`` only (``str.splitlines`` would also break at U+2028 and friends and misalign
+    a corpus); trailing whitespace, ``\\r`` included, is stripped. A byte sequence that is not UTF-8
+    raises ``ValueError`` naming the file and the line.
+    """
+    path = Path(path)
+    lines = path.read_bytes().split(b"\n")
+    if lines and lines[-1] == b"":
+        lines.pop()  # the final newline ends the last line, it does not start another
+    decoded = []
+    for number, raw in enumerate(lines, start=1):
+        try:
+            decoded.append(raw.decode("utf-8").rstrip())
+        except UnicodeDecodeError as error:
+            raise ValueError(
+                f"{path}: line {number} is not valid UTF-8 (byte 0x{raw[error.start]:02x} at column {error.start + 1})"
+            ) from None
+    return decoded
+
+
+def score_files(
+    hypothesis_file: str | PathLike[str],
+    reference_files: str | PathLike[str] | Sequence[str | PathLike[str]],
+    target_lang: str,
+    compound_splitting: bool | None = None,
+) -> dict[str, Any]:
+    """Score a hypothesis file against one reference file or several (one reference per file).
+
+    Files are line-aligned UTF-8 text; a different line count raises ``ValueError`` naming both counts.
+    """
+    if isinstance(reference_files, (str, PathLike)):
+        reference_files = [reference_files]
+    hypotheses = read_lines(hypothesis_file)
+    reference_streams = []
+    for reference_file in reference_files:
+        stream = read_lines(reference_file)
+        if len(stream) != len(hypotheses):
+            raise ValueError(
+                f"line counts differ: {len(hypotheses)} lines in hypothesis file {hypothesis_file}, "
+                f"{len(stream)} lines in reference file {reference_file}"
+            )
+        reference_streams.append(stream)
+    references = [list(refs) for refs in zip(*reference_streams)]
+    return score(hypotheses, references, target_lang, compound_splitting)
+
+
+def make_compute_metrics(
+    tokenizer: PreTrainedTokenizerBase,
+    target_lang: str,
+    compound_splitting: bool | None = None,
+) -> Callable[[EvalPrediction], dict[str, float]]:
+    """A ``compute_metrics`` for ``Seq2SeqTrainer(..., args=Seq2SeqTrainingArguments(predict_with_generate=True))``.
+
+    It decodes the generated ids and the labels (``-100`` padding becomes the pad id, special tokens
+    are skipped) and returns ``sacrebleu``, ``chrf`` and ``tokenized_bleu``; the Trainer logs them as
+    ``eval_sacrebleu`` etc. The signatures go to this module's logger once, since a Trainer logs numbers only.
+    """
+    if tokenizer.pad_token_id is None:
+        raise ValueError("the tokenizer has no pad token: -100 label padding cannot be decoded")
+    metric = load_metric()
+    signatures_logged = False
+
+    def compute_metrics(eval_prediction: EvalPrediction) -> dict[str, float]:
+        nonlocal signatures_logged
+        generated = eval_prediction.predictions
+        if isinstance(generated, tuple):
+            generated = generated[0]
+        generated = np.asarray(generated)
+        if generated.ndim != 2 or not np.issubdtype(generated.dtype, np.integer):
+            raise ValueError(
+                f"compute_metrics expects generated token ids (2-D integers), got shape {generated.shape} "
+                f"dtype {generated.dtype}: set predict_with_generate=True in Seq2SeqTrainingArguments"
+            )
+        labels = np.asarray(eval_prediction.label_ids)
+        hypotheses = tokenizer.batch_decode(_unmask(generated, tokenizer.pad_token_id), skip_special_tokens=True)
+        references = tokenizer.batch_decode(_unmask(labels, tokenizer.pad_token_id), skip_special_tokens=True)
+        results = score(
+            [h.strip() for h in hypotheses], [r.strip() for r in references], target_lang, compound_splitting, metric
+        )
+        if not signatures_logged:
+            logger.info(
+                "sacreBLEU %s | chrF %s | tokenized BLEU %s",
+                results["sacrebleu_signature"],
+                results["chrf_signature"],
+                results["tokenized_bleu_signature"],
+            )
+            signatures_logged = True
+        return {key: float(results[key]) for key in TRAINER_METRIC_KEYS}
+
+    return compute_metrics
+
+
+def _unmask(ids: np.ndarray, pad_token_id: int) -> np.ndarray:
+    # The Trainer pads labels, and generations gathered across batches, with -100, which no tokenizer can decode.
+    return np.where(ids == -100, pad_token_id, ids)
