@@ -1,0 +1,243 @@
+"""Shared source-target vocabularies (Section 5.1): joint BPE and WordPiece trained with `tokenizers`.
+
+The paper encodes WMT14 EN-DE with a byte-pair encoding of about 37,000 tokens shared by source and
+target, and EN-FR with a 32,000 word-piece vocabulary. :func:`train_tokenizer` learns either one on
+both sides of a corpus at once and returns a transformers fast tokenizer (``PreTrainedTokenizerFast``,
+which transformers 5 implements as ``TokenizersBackend``) that ``save_pretrained`` writes and
+``AutoTokenizer.from_pretrained(folder)`` reads back.
+
+Fixed ids, which the model config defaults agree with (checked by :func:`check_tokenizer_matches_config`):
+``<pad>`` = 0, ``<unk>`` = 1, ``<s>`` = 2 (bos, also the decoder start), ``</s>`` = 3 (eos).
+Every encoded sequence, source and ``labels`` alike, is its subword tokens followed by ``</s>``; the
+source has no ``<s>``: the model shifts ``labels`` right itself and starts the decoder with ``<s>``.
+
+Normalisation, applied before anything else and the only thing decoding does not undo:
+
+1. Unicode NFC (a no-op on the shared WMT13 and Multi30k files; NFKC was rejected because it also
+   rewrites real characters, e.g. U+00B5 MICRO SIGN in newstest2013 ``dev.fr``);
+2. every run of Unicode whitespace becomes one U+0020 space, so U+00A0 NO-BREAK SPACE (11 lines of
+   newstest2013 ``dev.de``, 99 of ``dev.fr``, 44 of Multi30k ``train.de``), U+2009 THIN SPACE
+   (line 2414 of newstest2013 ``dev.en``), tabs and double spaces all become a plain space. That is
+   what sacrebleu does when it reads the official newstest2013 ``.sgm`` files, and BLEU splits on
+   them anyway;
+3. U+2581 LOWER ONE EIGHTH BLOCK (the word-boundary marker below) becomes a space, so it cannot be
+   confused with a real one;
+4. leading and trailing whitespace is stripped.
+
+Pre-tokenisation is SentencePiece-style (``Metaspace``): each space becomes ``▁`` and starts a new
+word, so subwords never cross a word boundary yet decoding restores every space exactly. The paper
+(and fairseq) instead ran the Moses tokenizer first, which splits punctuation off words and cannot be
+undone; ``benchmarks/bench_data.py`` measures both (round-trip failures, tokens per sentence,
+unknown-token rate) and records why this one was chosen. The BPE model falls back to the 256
+``<0xNN>`` byte tokens for characters outside its alphabet, so ``decode(encode(s)) == normalize(s)``
+holds for *every* string and BPE never emits ``<unk>``. WordPiece has no byte fallback: a word with
+a character outside its alphabet becomes one ``<unk>`` (which decoding drops), so its round trip is
+exact only for text whose characters it was trained on. WordPiece here marks word starts with
+``▁`` instead of marking continuations with ``##`` so that it decodes losslessly the same way.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable, Iterator, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import datasets
+from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+from transformers import PreTrainedTokenizerFast
+
+from vaswani_tx.data import iter_lines
+
+PAD_TOKEN, UNK_TOKEN, BOS_TOKEN, EOS_TOKEN = "<pad>", "<unk>", "<s>", "</s>"
+SPECIAL_TOKENS = (PAD_TOKEN, UNK_TOKEN, BOS_TOKEN, EOS_TOKEN)  # list order = ids 0, 1, 2, 3
+PAD_TOKEN_ID, UNK_TOKEN_ID, BOS_TOKEN_ID, EOS_TOKEN_ID = range(4)
+BYTE_TOKENS = tuple(f"<0x{byte:02X}>" for byte in range(256))  # the names ByteFallback decodes
+WORD_BOUNDARY = "\u2581"
+
+TokenizerKind = Literal["bpe", "wordpiece"]
+DEFAULT_VOCAB_SIZE: dict[str, int] = {"bpe": 37_000, "wordpiece": 32_000}  # Section 5.1
+
+
+def build_normalizer() -> normalizers.Normalizer:
+    """The normalisation described in the module docstring, as a `tokenizers` normalizer."""
+    return normalizers.Sequence(
+        [
+            normalizers.NFC(),
+            normalizers.Replace(WORD_BOUNDARY, " "),
+            normalizers.Replace(Regex(r"\s+"), " "),
+            normalizers.Strip(),
+        ]
+    )
+
+
+_NORMALIZER = build_normalizer()
+
+
+def normalize(text: str) -> str:
+    """What ``decode(encode(text))`` returns for a BPE tokenizer (and for WordPiece on known characters)."""
+    return _NORMALIZER.normalize_str(text)
+
+
+def _corpus_batches(corpus: Sequence[str | os.PathLike] | datasets.Dataset, columns: Sequence[str]) -> Iterator[list[str]]:
+    """Batches of training text; both sides of a parallel corpus feed one joint vocabulary."""
+    if isinstance(corpus, datasets.Dataset):
+        missing = [name for name in columns if name not in corpus.column_names]
+        if missing:
+            raise ValueError(f"dataset has no column(s) {missing}; its columns are {corpus.column_names}")
+        for batch in corpus.select_columns(list(columns)).iter(batch_size=10_000):
+            for name in columns:
+                yield batch[name]
+        return
+    for path in corpus:
+        batch: list[str] = []
+        for line in iter_lines(path):
+            batch.append(line)
+            if len(batch) == 10_000:
+                yield batch
+                batch = []
+        if batch:
+            yield batch
+
+
+def _describe(corpus: Sequence[str | os.PathLike] | datasets.Dataset) -> str:
+    if isinstance(corpus, datasets.Dataset):
+        return f"the dataset ({corpus.num_rows} rows)"
+    return ", ".join(str(path) for path in corpus)
+
+
+def train_tokenizer(
+    corpus: Sequence[str | os.PathLike] | datasets.Dataset,
+    kind: TokenizerKind = "bpe",
+    vocab_size: int | None = None,
+    *,
+    min_frequency: int = 2,
+    limit_alphabet: int = 1000,
+    columns: Sequence[str] = ("source", "target"),
+    show_progress: bool = True,
+) -> PreTrainedTokenizerFast:
+    """Learn one vocabulary shared by source and target (Section 5.1).
+
+    Args:
+        corpus: text files (one sentence per line; pass both sides, e.g. ``train.en`` and ``train.de``)
+            or a ``datasets.Dataset`` whose ``columns`` hold the text.
+        kind: ``"bpe"`` (the paper's EN-DE choice, default 37,000) or ``"wordpiece"`` (EN-FR, 32,000).
+        vocab_size: final size including the 4 special tokens (and BPE's 256 byte tokens).
+        min_frequency: pairs seen fewer times are never merged.
+        limit_alphabet: at most this many distinct characters enter the alphabet; rarer ones fall back
+            to bytes (BPE) or ``<unk>`` (WordPiece), so one stray script cannot crowd out subwords.
+        show_progress: the `tokenizers` progress bar on stderr.
+
+    Raises:
+        ValueError: the corpus has no text, or ``vocab_size`` cannot hold the special tokens and the
+            corpus alphabet.
+    """
+    if kind not in DEFAULT_VOCAB_SIZE:
+        raise ValueError(f"kind must be one of {sorted(DEFAULT_VOCAB_SIZE)}, got {kind!r}")
+    vocab_size = DEFAULT_VOCAB_SIZE[kind] if vocab_size is None else vocab_size
+    reserved = SPECIAL_TOKENS + (BYTE_TOKENS if kind == "bpe" else ())
+    if vocab_size <= len(reserved):
+        raise ValueError(
+            f"vocab_size={vocab_size} is smaller than the alphabet: {kind} reserves {len(reserved)} ids for "
+            f"special{' and byte' if kind == 'bpe' else ''} tokens before any character"
+        )
+
+    if kind == "bpe":
+        tokenizer = Tokenizer(models.BPE(unk_token=UNK_TOKEN, byte_fallback=True))
+        # The byte tokens go in as trainer "special tokens" only to reserve ids 4..259; they are made
+        # ordinary vocabulary below so that decode(skip_special_tokens=True) keeps them.
+        trainer = trainers.BpeTrainer(
+            vocab_size=vocab_size, min_frequency=min_frequency, limit_alphabet=limit_alphabet,
+            special_tokens=list(reserved), show_progress=show_progress,
+        )
+        tokenizer.decoder = decoders.Sequence([decoders.ByteFallback(), decoders.Metaspace()])
+    else:
+        tokenizer = Tokenizer(models.WordPiece(unk_token=UNK_TOKEN, continuing_subword_prefix=""))
+        trainer = trainers.WordPieceTrainer(
+            vocab_size=vocab_size, min_frequency=min_frequency, limit_alphabet=limit_alphabet,
+            special_tokens=list(reserved), continuing_subword_prefix="", show_progress=show_progress,
+        )
+        tokenizer.decoder = decoders.Metaspace()
+    tokenizer.normalizer = build_normalizer()
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace()
+
+    lines_seen = 0
+
+    def counted(batches: Iterable[list[str]]) -> Iterator[list[str]]:
+        nonlocal lines_seen
+        for batch in batches:
+            lines_seen += sum(1 for line in batch if line.strip())
+            yield batch
+
+    tokenizer.train_from_iterator(counted(_corpus_batches(corpus, columns)), trainer=trainer)
+    if lines_seen == 0:
+        raise ValueError(f"cannot train a vocabulary on an empty corpus: {_describe(corpus)} has no text")
+    learned = tokenizer.get_vocab_size()
+    if learned > vocab_size:
+        # The trainers keep the whole alphabet even when it overflows vocab_size; refuse instead.
+        characters = learned - len(reserved)
+        raise ValueError(
+            f"vocab_size={vocab_size} is smaller than the alphabet of {_describe(corpus)}: "
+            f"{len(reserved)} reserved tokens + {characters} characters need at least {learned}"
+        )
+
+    state = json.loads(tokenizer.to_str())
+    state["added_tokens"] = [token for token in state["added_tokens"] if token["content"] in SPECIAL_TOKENS]
+    tokenizer = Tokenizer.from_str(json.dumps(state))
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"$A {EOS_TOKEN}", pair=f"$A {EOS_TOKEN} $B {EOS_TOKEN}", special_tokens=[(EOS_TOKEN, EOS_TOKEN_ID)]
+    )
+    return wrap_tokenizer(tokenizer)
+
+
+def wrap_tokenizer(tokenizer: Tokenizer) -> PreTrainedTokenizerFast:
+    """The transformers face of a trained `tokenizers.Tokenizer`, with the fixed special ids checked."""
+    for token, expected in zip(SPECIAL_TOKENS, range(4)):
+        actual = tokenizer.token_to_id(token)
+        if actual != expected:
+            raise ValueError(f"special token {token} must have id {expected}, the tokenizer gives it {actual}")
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        pad_token=PAD_TOKEN,
+        unk_token=UNK_TOKEN,
+        bos_token=BOS_TOKEN,
+        eos_token=EOS_TOKEN,
+        # transformers' "clean up" deletes the space in "word ." and would break the lossless round trip
+        clean_up_tokenization_spaces=False,
+    )
+
+
+def check_tokenizer_matches_config(tokenizer: Any, config: Any) -> None:
+    """Refuse a model config whose vocabulary size or special ids differ from the tokenizer's.
+
+    ``config`` is any object with ``vocab_size``, ``pad_token_id``, ``bos_token_id``,
+    ``eos_token_id`` and ``decoder_start_token_id`` (such as ``VaswaniConfig``); the decoder starts
+    from ``<s>``, so ``decoder_start_token_id`` must equal the tokenizer's bos id.
+
+    Raises:
+        ValueError: naming every field that differs, with both values.
+    """
+    expected = {
+        "vocab_size": len(tokenizer),
+        "pad_token_id": tokenizer.pad_token_id,
+        "bos_token_id": tokenizer.bos_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        "decoder_start_token_id": tokenizer.bos_token_id,
+    }
+    clashes = []
+    for field, tokenizer_value in expected.items():
+        config_value = getattr(config, field, None)
+        if config_value != tokenizer_value:
+            clashes.append(f"{field}: config has {config_value}, tokenizer has {tokenizer_value}")
+    if clashes:
+        raise ValueError("model config and tokenizer disagree; " + "; ".join(clashes))
+
+
+def load_tokenizer(folder: str | os.PathLike) -> PreTrainedTokenizerFast:
+    """Load a tokenizer saved by ``save_pretrained`` (``AutoTokenizer`` with a clear error for a wrong folder)."""
+    from transformers import AutoTokenizer
+
+    if not (Path(folder) / "tokenizer.json").is_file():
+        raise FileNotFoundError(f"{folder} holds no tokenizer.json; create one with `vaswani-tx train-tokenizer`")
+    return AutoTokenizer.from_pretrained(folder)
