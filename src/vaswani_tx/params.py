@@ -1,0 +1,60 @@
+"""Parameter counts of model configs against the paper's Table 3 (used by `vaswani-tx params` and the tests)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from .configuration_vaswani import VaswaniConfig
+from .modeling_vaswani import VaswaniForConditionalGeneration
+from .paper import ALL_MODEL_CONFIGS, TOLERANCE_MILLIONS
+
+
+def load_model_config(path: str | Path) -> VaswaniConfig:
+    """A `VaswaniConfig` from a JSON file such as `configs/model/base.json` (or a model folder's config.json)."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / "config.json"
+    try:
+        values = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise FileNotFoundError(f"model config {path} does not exist") from None
+    except json.JSONDecodeError as err:
+        raise ValueError(f"model config {path} is not valid JSON: {err}") from None
+    model_type = values.pop("model_type", VaswaniConfig.model_type)
+    if model_type != VaswaniConfig.model_type:
+        raise ValueError(f"model config {path} has model_type={model_type!r}; expected {VaswaniConfig.model_type!r}")
+    return VaswaniConfig(**values)
+
+
+def count_parameters(config: VaswaniConfig) -> int:
+    """Trainable parameters of the built model, each shared Parameter counted once (built on the meta device)."""
+    with torch.device("meta"):
+        model = VaswaniForConditionalGeneration(config)
+    return sum(p.numel() for p in model.parameters())
+
+
+def parameter_table(files: list[Path]) -> tuple[list[dict], bool]:
+    paper = {row.name: row.params_millions for row in ALL_MODEL_CONFIGS}
+    rows, all_ok = [], True
+    for file in files:
+        config = load_model_config(file)
+        built = count_parameters(config)
+        closed = config.num_parameters_closed_form()
+        reported = paper.get(file.stem)
+        checks = []
+        if built != closed:
+            checks.append(f"built {built} != closed form {closed}")
+        if reported is not None and abs(built / 1e6 - reported) > TOLERANCE_MILLIONS:
+            checks.append(f"more than {TOLERANCE_MILLIONS:g}M from the paper")
+        all_ok &= not checks
+        rows.append({
+            "name": file.stem, "N": f"{config.num_encoder_layers}+{config.num_decoder_layers}"
+            if config.num_encoder_layers != config.num_decoder_layers else config.num_encoder_layers,
+            "d_model": config.d_model, "d_ff": config.d_ff, "h": config.num_heads, "d_k": config.d_k,
+            "d_v": config.d_v, "dropout": config.dropout, "built": built, "paper": reported,
+            "check": "; ".join(checks) or "ok",
+        })
+    return rows, all_ok
