@@ -1,0 +1,562 @@
+"""The model: the paper's claims (Section 3, Table 3), the Hugging Face contract, and bad input.
+
+Tiny odd sizes (d_model 24, 3 heads, d_k != d_v) catch shape bugs that square sizes hide.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModel, AutoModelForSeq2SeqLM, MarianConfig, MarianMTModel
+
+import vaswani_tx
+from vaswani_tx import GNMTLengthPenalty, VaswaniConfig, VaswaniForConditionalGeneration, VaswaniModel
+from vaswani_tx.modeling_vaswani import sinusoidal_table
+from vaswani_tx.paper import ALL_MODEL_CONFIGS, PAPER_VOCAB_SIZE, TABLE3, TOLERANCE_MILLIONS, model_config_overrides
+from vaswani_tx.params import count_parameters, load_model_config
+
+REPO = Path(__file__).resolve().parents[1]
+PAD, BOS, EOS = 0, 2, 3
+
+
+def tiny_config(**overrides) -> VaswaniConfig:
+    values = dict(vocab_size=61, d_model=24, d_ff=40, num_heads=3, num_encoder_layers=2, num_decoder_layers=3,
+                  dropout=0.0)
+    values.update(overrides)
+    return VaswaniConfig(**values)
+
+
+def tiny_model(seed: int = 0, attn_implementation: str | None = None, **overrides) -> VaswaniForConditionalGeneration:
+    torch.manual_seed(seed)
+    model = VaswaniForConditionalGeneration(tiny_config(**overrides))
+    if attn_implementation:
+        model.set_attn_implementation(attn_implementation)
+    return model.eval()
+
+
+def batch(seed: int = 1, lengths=(7, 4, 6), vocab: int = 61) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded source ids ending in </s>, and their attention mask."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.full((len(lengths), max(lengths)), PAD)
+    for row, n in enumerate(lengths):
+        ids[row, : n - 1] = torch.randint(4, vocab, (n - 1,), generator=g)
+        ids[row, n - 1] = EOS
+    return ids, ids.ne(PAD).long()
+
+
+# --- Section 3.5: positional encoding ------------------------------------------------------------------------------
+
+
+def test_positional_encoding_equals_closed_form():
+    d_model, length = 24, 300
+    table = sinusoidal_table(length, d_model)
+    for pos in (0, 1, 17, 299):
+        for i in range(d_model // 2):
+            angle = pos / 10000 ** (2 * i / d_model)
+            assert table[pos, 2 * i].item() == pytest.approx(math.sin(angle), abs=1e-6)
+            assert table[pos, 2 * i + 1].item() == pytest.approx(math.cos(angle), abs=1e-6)
+
+
+def test_encoder_embedding_output_is_scaled_embedding_plus_positions():
+    model = tiny_model()
+    ids, mask = batch()
+    out = model(input_ids=ids, attention_mask=mask, decoder_input_ids=ids[:, :3], output_hidden_states=True)
+    expected = math.sqrt(24) * model.model.shared.weight[ids] + sinusoidal_table(ids.shape[1], 24)
+    torch.testing.assert_close(out.encoder_hidden_states[0], expected, rtol=0, atol=1e-6)
+    assert len(out.encoder_hidden_states) == 2 + 1 and len(out.decoder_hidden_states) == 3 + 1
+    torch.testing.assert_close(out.encoder_hidden_states[-1], out.encoder_last_hidden_state)
+
+
+def test_positions_extrapolate_beyond_any_table_and_survive_dtype_and_reload(tmp_path):
+    model = tiny_model()
+    long_ids = torch.randint(4, 61, (1, 1500))  # longer than max_position_embeddings=1024
+    hidden = model.model.encoder(long_ids, output_hidden_states=True).hidden_states[0]
+    expected = math.sqrt(24) * model.model.shared.weight[long_ids] + sinusoidal_table(1500, 24)
+    torch.testing.assert_close(hidden, expected, rtol=0, atol=1e-5)
+
+    model.save_pretrained(tmp_path)
+    reloaded = VaswaniForConditionalGeneration.from_pretrained(tmp_path).to(torch.bfloat16).eval()
+    ids, _ = batch()
+    hidden = reloaded.model.encoder(ids, output_hidden_states=True).hidden_states[0]
+    embed = reloaded.model.shared.weight[ids] * math.sqrt(24)
+    expected = embed + sinusoidal_table(ids.shape[1], 24).to(torch.bfloat16)
+    assert hidden.dtype == torch.bfloat16
+    torch.testing.assert_close(hidden, expected, rtol=0, atol=0)
+
+
+def test_learned_positions_row_e_and_their_length_limit():
+    model = tiny_model(position_encoding="learned", max_position_embeddings=10)
+    table = model.model.encoder.embeddings.embed_positions.weight
+    ids = torch.randint(4, 61, (1, 6))
+    hidden = model.model.encoder(ids, output_hidden_states=True).hidden_states[0]
+    torch.testing.assert_close(hidden, math.sqrt(24) * model.model.shared.weight[ids] + table[:6])
+    with pytest.raises(ValueError, match=r"11 positions is longer than max_position_embeddings=10"):
+        model(input_ids=torch.randint(4, 61, (1, 11)), decoder_input_ids=ids)
+
+
+# --- Section 3.1 / 3.2: post-LN, no leak from the future, padding ---------------------------------------------------
+
+
+def test_post_layer_norm_order_and_no_final_stack_norm():
+    model = tiny_model()
+    layer = model.model.encoder.layers[0]
+    x = torch.randn(2, 5, 24)
+    attended, _ = layer.self_attn(x)
+    h = torch.nn.functional.layer_norm(x + attended, (24,), layer.self_attn_norm.weight, layer.self_attn_norm.bias)
+    ffn = layer.feed_forward.w_2(torch.relu(layer.feed_forward.w_1(h)))
+    expected = torch.nn.functional.layer_norm(h + ffn, (24,), layer.feed_forward_norm.weight, layer.feed_forward_norm.bias)
+    torch.testing.assert_close(layer(x)[0], expected)
+    names = [n for n, _ in model.named_modules()]
+    assert not any(n.endswith(("encoder.layer_norm", "decoder.layer_norm", "layernorm_embedding")) for n in names)
+    norms = [m for m in model.modules() if isinstance(m, torch.nn.LayerNorm)]
+    assert len(norms) == 2 * 2 + 3 * 3  # two per encoder layer, three per decoder layer, nothing else
+
+
+def test_no_attention_biases_and_relu_ffn():
+    model = tiny_model(d_k=5, d_v=7)
+    attention = model.model.decoder.layers[0].cross_attn
+    assert attention.q_proj.weight.shape == (3 * 5, 24) and attention.v_proj.weight.shape == (3 * 7, 24)
+    assert attention.out_proj.weight.shape == (24, 3 * 7)
+    assert all(p.bias is None for p in (attention.q_proj, attention.k_proj, attention.v_proj, attention.out_proj))
+    ffn = model.model.encoder.layers[0].feed_forward
+    x = torch.randn(4, 24)
+    torch.testing.assert_close(ffn(x), ffn.w_2(torch.clamp(ffn.w_1(x), min=0)))
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_no_leak_from_future_decoder_tokens(attn):
+    model = tiny_model(attn_implementation=attn)
+    ids, mask = batch()
+    target = torch.randint(4, 61, (3, 9))
+    changed = target.clone()
+    t = 4
+    changed[:, t + 1 :] = torch.randint(4, 61, (3, 9 - t - 1))
+    a = model(input_ids=ids, attention_mask=mask, decoder_input_ids=target).logits
+    b = model(input_ids=ids, attention_mask=mask, decoder_input_ids=changed).logits
+    torch.testing.assert_close(a[:, : t + 1], b[:, : t + 1], rtol=0, atol=1e-6)
+    assert not torch.allclose(a[:, t + 1 :], b[:, t + 1 :])
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_source_padding_does_not_change_real_positions(attn):
+    model = tiny_model(attn_implementation=attn)
+    ids, mask = batch(lengths=(5,))
+    padded = torch.cat([ids, torch.full((1, 4), PAD)], 1)
+    target = torch.randint(4, 61, (1, 6))
+    a = model(input_ids=ids, attention_mask=mask, decoder_input_ids=target)
+    b = model(input_ids=padded, attention_mask=padded.ne(PAD).long(), decoder_input_ids=target)
+    torch.testing.assert_close(a.encoder_last_hidden_state, b.encoder_last_hidden_state[:, :5], rtol=0, atol=1e-5)
+    torch.testing.assert_close(a.logits, b.logits, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_fully_padded_row_gives_no_nan(dtype, attn):
+    model = tiny_model(attn_implementation=attn).to(dtype)
+    ids, mask = batch()
+    mask[1] = 0  # a row with nothing to attend to
+    out = model(input_ids=ids, attention_mask=mask, decoder_input_ids=ids[:, :4], output_attentions=attn == "eager")
+    assert torch.isfinite(out.logits).all()
+    assert torch.isfinite(out.encoder_last_hidden_state).all()
+
+
+@pytest.mark.parametrize("overrides", [{}, {"d_k": 5, "d_v": 7}, {"num_heads": 1, "d_k": 24, "d_v": 24}])
+def test_sdpa_equals_eager(overrides):
+    eager, sdpa = tiny_model(attn_implementation="eager", **overrides), tiny_model(attn_implementation="sdpa", **overrides)
+    ids, mask = batch()
+    target = torch.randint(4, 61, (3, 6))
+    a = eager(input_ids=ids, attention_mask=mask, decoder_input_ids=target).logits
+    b = sdpa(input_ids=ids, attention_mask=mask, decoder_input_ids=target).logits
+    torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+
+
+def test_output_attentions_returns_weights_of_each_kind():
+    model = tiny_model()  # sdpa by default; asking for weights uses the eager path
+    ids, mask = batch()
+    out = model(input_ids=ids, attention_mask=mask, decoder_input_ids=ids[:, :5], output_attentions=True)
+    assert [w.shape for w in out.encoder_attentions] == [(3, 3, 7, 7)] * 2
+    assert [w.shape for w in out.decoder_attentions] == [(3, 3, 5, 5)] * 3
+    assert [w.shape for w in out.cross_attentions] == [(3, 3, 5, 7)] * 3
+    torch.testing.assert_close(out.cross_attentions[0].sum(-1), torch.ones(3, 3, 5))
+    assert out.cross_attentions[0][1, :, :, 4:].abs().max() == 0  # row 1 has 4 real source tokens
+    assert torch.triu(out.decoder_attentions[0][0, 0], diagonal=1).abs().max() == 0  # causal
+
+
+# --- Section 3.4: one shared matrix -------------------------------------------------------------------------------
+
+
+def test_one_matrix_for_source_target_and_pre_softmax(tmp_path):
+    model = tiny_model()
+    shared = model.model.shared.weight
+    assert model.model.encoder.embeddings.embed_tokens.weight is shared
+    assert model.model.decoder.embeddings.embed_tokens.weight is shared
+    assert model.lm_head.weight is shared
+    assert sum(p.numel() for p in model.parameters()) == model.config.num_parameters_closed_form()
+    model.save_pretrained(tmp_path)
+    reloaded = VaswaniForConditionalGeneration.from_pretrained(tmp_path)
+    assert reloaded.lm_head.weight is reloaded.model.shared.weight is reloaded.model.encoder.embeddings.embed_tokens.weight
+
+    model.resize_token_embeddings(70)
+    assert model.config.vocab_size == 70 and model.model.shared.weight.shape == (70, 24)
+    shared = model.model.shared.weight
+    assert model.lm_head.weight is shared and model.model.decoder.embeddings.embed_tokens.weight is shared
+    assert model(input_ids=torch.tensor([[65, 3]]), decoder_input_ids=torch.tensor([[2, 69]])).logits.shape[-1] == 70
+
+
+def test_untied_pre_softmax_projection_option(tmp_path):
+    model = tiny_model(tie_word_embeddings=False)
+    assert model.lm_head.weight is not model.model.shared.weight
+    assert model.model.encoder.embeddings.embed_tokens.weight is model.model.shared.weight
+    assert sum(p.numel() for p in model.parameters()) == model.config.num_parameters_closed_form()
+    model.save_pretrained(tmp_path)
+    reloaded = VaswaniForConditionalGeneration.from_pretrained(tmp_path).eval()
+    ids, _ = batch()
+    torch.testing.assert_close(model(input_ids=ids, decoder_input_ids=ids).logits,
+                               reloaded(input_ids=ids, decoder_input_ids=ids).logits, rtol=0, atol=0)
+
+
+def test_initialisation_is_the_documented_one():
+    torch.manual_seed(0)
+    model = VaswaniForConditionalGeneration(tiny_config(vocab_size=4000, d_model=64, num_heads=4, d_ff=256))
+    assert model.model.shared.weight.std().item() == pytest.approx(64**-0.5, rel=0.05)
+    w = model.model.encoder.layers[0].feed_forward.w_1.weight  # Xavier-uniform bound sqrt(6 / (fan_in + fan_out))
+    assert w.abs().max().item() <= math.sqrt(6 / (64 + 256)) and w.abs().max().item() > 0.9 * math.sqrt(6 / 320)
+    assert model.model.encoder.layers[0].feed_forward.w_1.bias.abs().max() == 0
+
+
+# --- Table 3: parameter counts -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("row", TABLE3, ids=[r.name for r in TABLE3])
+def test_table3_parameter_counts(row):
+    config = VaswaniConfig(**model_config_overrides(row))
+    built = count_parameters(config)
+    assert built == config.num_parameters_closed_form()
+    if row.params_millions is not None:
+        assert abs(built / 1e6 - row.params_millions) <= TOLERANCE_MILLIONS
+
+
+def test_closed_form_matches_spec_reference_counts():
+    base = VaswaniConfig(vocab_size=PAPER_VOCAB_SIZE)
+    big = VaswaniConfig(vocab_size=PAPER_VOCAB_SIZE, d_model=1024, d_ff=4096, num_heads=16, dropout=0.3)
+    assert base.num_parameters_closed_form() / 1e6 == pytest.approx(63.1, abs=0.1)
+    assert big.num_parameters_closed_form() / 1e6 == pytest.approx(214.2, abs=0.1)
+
+
+def test_configs_folder_matches_the_paper_table():
+    for row in ALL_MODEL_CONFIGS:
+        config = load_model_config(REPO / "configs" / "model" / f"{row.name}.json")
+        expected = VaswaniConfig(**model_config_overrides(row))
+        assert config.to_dict() == expected.to_dict(), row.name
+    assert len(list((REPO / "configs" / "model").glob("*.json"))) == len(ALL_MODEL_CONFIGS)
+
+
+def test_params_command_prints_every_config():
+    from vaswani_tx.cli import main
+
+    assert main(["params", str(REPO / "configs" / "model" / "base.json"), str(REPO / "configs" / "model" / "big.json")]) == 0
+
+
+# --- MarianMTModel equivalence: no silent departure --------------------------------------------------------------
+
+
+def marian_hidden_permutation(d_model: int) -> torch.Tensor:
+    """Marian lays sinusoids out as [sin_0..sin_{D/2-1}, cos_0..cos_{D/2-1}]; ours interleave sin/cos.
+    Marian's dimension j holds our dimension perm[j]."""
+    half = torch.arange(d_model // 2)
+    return torch.cat([2 * half, 2 * half + 1])
+
+
+def to_marian(model: VaswaniForConditionalGeneration) -> MarianMTModel:
+    c = model.config
+    marian = MarianMTModel(MarianConfig(
+        vocab_size=c.vocab_size, decoder_vocab_size=c.vocab_size, d_model=c.d_model, encoder_layers=c.num_encoder_layers,
+        decoder_layers=c.num_decoder_layers, encoder_attention_heads=c.num_heads, decoder_attention_heads=c.num_heads,
+        encoder_ffn_dim=c.d_ff, decoder_ffn_dim=c.d_ff, activation_function="relu", scale_embedding=True,
+        dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, pad_token_id=c.pad_token_id,
+        eos_token_id=c.eos_token_id, decoder_start_token_id=c.decoder_start_token_id, max_position_embeddings=512,
+        share_encoder_decoder_embeddings=True, tie_word_embeddings=True,
+    )).eval()
+    perm = marian_hidden_permutation(c.d_model)
+    ours = model.state_dict()
+    theirs = {"model.shared.weight": ours["model.shared.weight"][:, perm]}
+    names = {"self_attn": "self_attn", "cross_attn": "encoder_attn"}
+    norms = {"self_attn_norm": "self_attn_layer_norm", "cross_attn_norm": "encoder_attn_layer_norm",
+             "feed_forward_norm": "final_layer_norm"}
+    for key, value in ours.items():
+        parts = key.split(".")
+        if parts[1] not in ("encoder", "decoder") or parts[2] != "layers":
+            continue
+        prefix = f"model.{parts[1]}.layers.{parts[3]}"
+        module, rest = parts[4], parts[5:]
+        if module in names:  # attention: inputs read the hidden state, out_proj writes it
+            proj = rest[0]
+            target = f"{prefix}.{names[module]}.{proj}"
+            theirs[f"{target}.weight"] = value[perm, :] if proj == "out_proj" else value[:, perm]
+            theirs[f"{target}.bias"] = torch.zeros(value.shape[0])
+        elif module in norms:
+            theirs[f"{prefix}.{norms[module]}.{rest[0]}"] = value[perm]
+        elif module == "feed_forward":
+            fc = {"w_1": "fc1", "w_2": "fc2"}[rest[0]]
+            if fc == "fc1":
+                theirs[f"{prefix}.fc1.{rest[1]}"] = value[:, perm] if rest[1] == "weight" else value
+            else:
+                theirs[f"{prefix}.fc2.{rest[1]}"] = value[perm, :] if rest[1] == "weight" else value[perm]
+    missing, unexpected = marian.load_state_dict(theirs, strict=False)
+    assert not unexpected
+    assert set(missing) <= {"final_logits_bias", "lm_head.weight", "model.encoder.embed_tokens.weight",
+                            "model.decoder.embed_tokens.weight", "model.encoder.embed_positions.weight",
+                            "model.decoder.embed_positions.weight"}, missing
+    marian.tie_weights()
+    return marian
+
+
+def test_logits_equal_marian_with_permuted_weights():
+    model = tiny_model(num_encoder_layers=2, num_decoder_layers=2)
+    marian = to_marian(model)
+    assert marian.lm_head.weight.data_ptr() == marian.model.shared.weight.data_ptr()
+    ids, mask = batch()
+    target = torch.randint(4, 61, (3, 8))
+    ours = model(input_ids=ids, attention_mask=mask, decoder_input_ids=target).logits
+    theirs = marian(input_ids=ids, attention_mask=mask, decoder_input_ids=target).logits
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-5)
+
+
+# --- Generation: Section 6.1 defaults ----------------------------------------------------------------------------
+
+
+def test_generation_defaults_are_the_papers(tmp_path):
+    model = tiny_model()
+    g = model.generation_config
+    assert (g.num_beams, g.length_penalty, g.early_stopping) == (4, 0.6, True)
+    assert g.length_penalty_type == "gnmt" and g.max_output_length_offset == 50
+    model.save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "generation_config.json").read_text())
+    assert saved["length_penalty_type"] == "gnmt" and saved["max_output_length_offset"] == 50
+    assert "max_length" not in saved
+    reloaded = VaswaniForConditionalGeneration.from_pretrained(tmp_path)
+    assert reloaded.generation_config.max_output_length_offset == 50
+
+
+def test_gnmt_length_penalty_form():
+    alpha = GNMTLengthPenalty(0.6)
+    assert float(alpha) == 0.6 and alpha > 0.0
+    for length in (1, 7, 30):
+        assert length**alpha == pytest.approx(((5 + length) / 6) ** 0.6)
+
+
+def never_ending(model: VaswaniForConditionalGeneration) -> VaswaniForConditionalGeneration:
+    """Make </s> the least likely token everywhere: the last decoder LayerNorm outputs a constant vector v,
+    and </s>'s row of the (tied) output matrix points against it."""
+    with torch.no_grad():
+        norm = model.model.decoder.layers[-1].feed_forward_norm
+        norm.weight.zero_()
+        norm.bias.copy_(torch.linspace(-1, 1, 24))
+        model.model.shared.weight[EOS] = -5 * norm.bias
+    return model
+
+
+@pytest.mark.parametrize("num_beams", [1, 4])
+def test_output_length_cap_is_source_length_plus_50_per_example(num_beams):
+    model = never_ending(tiny_model())
+    ids, mask = batch(lengths=(7, 3, 5))
+    out = model.generate(input_ids=ids, attention_mask=mask, num_beams=num_beams)
+    for row, n in enumerate((7, 3, 5)):
+        tokens = out[row, 1:].tolist()  # drop the decoder start token
+        assert tokens.index(EOS) + 1 == n + 50  # exactly the cap, </s> being the last allowed token
+    assert out.shape[1] == 1 + 7 + 50
+
+
+@pytest.mark.parametrize("num_beams", [1, 3])
+def test_generate_with_cache_equals_without(num_beams):
+    model = tiny_model()
+    ids, mask = batch()
+    kwargs = dict(input_ids=ids, attention_mask=mask, num_beams=num_beams, max_new_tokens=12)
+    torch.testing.assert_close(model.generate(**kwargs, use_cache=True), model.generate(**kwargs, use_cache=False))
+
+
+def test_beam_scores_use_the_gnmt_penalty():
+    model = tiny_model()
+    ids, mask = batch(lengths=(6,))
+    out = model.generate(input_ids=ids, attention_mask=mask, num_beams=3, max_new_tokens=6,
+                         output_scores=True, return_dict_in_generate=True)
+    sequence = out.sequences[0]
+    # Rescore the returned hypothesis by hand: sum of log-probabilities over its generated tokens.
+    logits = model(input_ids=ids, attention_mask=mask, decoder_input_ids=sequence[None, :-1]).logits[0]
+    logprobs = torch.log_softmax(logits, -1).gather(1, sequence[1:, None]).squeeze(1)
+    length = int((sequence[1:] != PAD).sum()) if EOS in sequence.tolist() else len(sequence) - 1
+    total = logprobs[:length].sum()
+    expected = total / ((5 + length) / 6) ** 0.6
+    assert out.sequences_scores[0].item() == pytest.approx(expected.item(), abs=1e-4)
+    hf_form = model.generate(input_ids=ids, attention_mask=mask, num_beams=3, max_new_tokens=6, length_penalty_type="hf",
+                             output_scores=True, return_dict_in_generate=True)
+    if torch.equal(hf_form.sequences[0], sequence):
+        assert hf_form.sequences_scores[0].item() == pytest.approx((total / length**0.6).item(), abs=1e-4)
+
+
+def test_explicit_max_new_tokens_replaces_the_source_cap():
+    model = never_ending(tiny_model())
+    ids, mask = batch()
+    assert model.generate(input_ids=ids, attention_mask=mask, num_beams=1, max_new_tokens=5).shape[1] == 1 + 5
+
+
+# --- HF contract: Auto classes, save/load, remote code, gradient checkpointing ----------------------------------------
+
+
+def test_auto_classes_are_registered(tmp_path):
+    values = {k: v for k, v in tiny_config().to_diff_dict().items() if k != "model_type"}
+    config = AutoConfig.for_model("vaswani", **values)
+    assert isinstance(config, VaswaniConfig)
+    assert isinstance(AutoModelForSeq2SeqLM.from_config(config), VaswaniForConditionalGeneration)
+    assert isinstance(AutoModel.from_config(config), VaswaniModel)
+    model = tiny_model()
+    model.save_pretrained(tmp_path)
+    files = sorted(p.name for p in tmp_path.iterdir())
+    assert files == ["config.json", "configuration_vaswani.py", "generation_config.json", "model.safetensors",
+                     "modeling_vaswani.py"]
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert saved["auto_map"]["AutoModelForSeq2SeqLM"] == "modeling_vaswani.VaswaniForConditionalGeneration"
+    reloaded = AutoModelForSeq2SeqLM.from_pretrained(tmp_path).eval()
+    ids, mask = batch()
+    torch.testing.assert_close(model(input_ids=ids, attention_mask=mask, decoder_input_ids=ids).logits,
+                               reloaded(input_ids=ids, attention_mask=mask, decoder_input_ids=ids).logits, rtol=0, atol=0)
+
+
+def test_trust_remote_code_load_without_the_package(tmp_path):
+    model = tiny_model()
+    folder = tmp_path / "model"
+    model.save_pretrained(folder)
+    ids, mask = batch()
+    expected = model(input_ids=ids, attention_mask=mask, decoder_input_ids=ids).logits
+    torch.save({"ids": ids, "mask": mask}, tmp_path / "inputs.pt")
+    script = textwrap.dedent(f"""
+        import sys
+        sys.modules["vaswani_tx"] = None  # importing vaswani_tx now fails, as in a process without the package
+        try:
+            import vaswani_tx
+            raise SystemExit("vaswani_tx should not be importable here")
+        except ImportError:
+            pass
+        import torch
+        from transformers import AutoModelForSeq2SeqLM
+        model = AutoModelForSeq2SeqLM.from_pretrained({str(folder)!r}, trust_remote_code=True).eval()
+        assert type(model).__module__.startswith("transformers_modules"), type(model).__module__
+        inputs = torch.load({str(tmp_path / 'inputs.pt')!r})
+        logits = model(input_ids=inputs["ids"], attention_mask=inputs["mask"], decoder_input_ids=inputs["ids"]).logits
+        torch.save(logits, {str(tmp_path / 'logits.pt')!r})
+        print(model.generation_config.length_penalty_type, model.generate(input_ids=inputs["ids"][:1], max_new_tokens=3).shape)
+    """)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_MODULES_CACHE": str(tmp_path / "modules")}
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "gnmt" in result.stdout
+    torch.testing.assert_close(torch.load(tmp_path / "logits.pt"), expected, rtol=0, atol=0)
+
+
+def test_gradient_checkpointing_gives_the_same_gradients():
+    ids, mask = batch()
+    labels = torch.randint(4, 61, (3, 6))
+    grads = []
+    for checkpointing in (False, True):
+        model = tiny_model().train()
+        if checkpointing:
+            model.activation_checkpointing_enable()
+        model(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
+        grads.append(model.model.encoder.layers[0].self_attn.q_proj.weight.grad.clone())
+    torch.testing.assert_close(grads[0], grads[1])
+
+
+def test_loss_ignores_minus_100_and_shifts_labels_right():
+    model = tiny_model()
+    ids, mask = batch()
+    labels = torch.randint(4, 61, (3, 5))
+    labels[1, 3:] = -100
+    out = model(input_ids=ids, attention_mask=mask, labels=labels)
+    decoder_input_ids = torch.cat([torch.full((3, 1), BOS), labels[:, :-1].clamp(min=0)], 1)
+    decoder_input_ids[1, 4] = PAD
+    logits = model(input_ids=ids, attention_mask=mask, decoder_input_ids=decoder_input_ids).logits
+    keep = labels != -100
+    expected = torch.nn.functional.cross_entropy(logits[keep], labels[keep])
+    torch.testing.assert_close(out.loss, expected)
+
+
+def test_dropout_is_where_the_paper_puts_it():
+    model = tiny_model(dropout=0.5).train()
+    ids, mask = batch()
+    torch.manual_seed(0)
+    a = model(input_ids=ids, attention_mask=mask, decoder_input_ids=ids).logits
+    torch.manual_seed(1)
+    b = model(input_ids=ids, attention_mask=mask, decoder_input_ids=ids).logits
+    assert not torch.allclose(a, b)
+    dropouts = {n.rsplit(".", 1)[0] for n, m in model.named_modules() if isinstance(m, torch.nn.Dropout) and m.p == 0.5}
+    assert "model.encoder.embeddings" in dropouts and "model.decoder.embeddings" in dropouts
+    assert "model.encoder.layers.0" in dropouts and "model.decoder.layers.2" in dropouts
+
+
+# --- Bad input ---------------------------------------------------------------------------------------------------
+
+
+def test_ids_outside_the_vocabulary_are_refused():
+    model = tiny_model()
+    ids, mask = batch()
+    bad = ids.clone()
+    bad[0, 0] = 75
+    with pytest.raises(ValueError, match=r"id 75 \(largest 75.*vocab_size=61"):
+        model(input_ids=bad, attention_mask=mask, decoder_input_ids=ids)
+    bad[0, 0] = -3
+    with pytest.raises(ValueError, match=r"input_ids contains id -3.*vocab_size=61"):
+        model(input_ids=bad, attention_mask=mask, decoder_input_ids=ids)
+    with pytest.raises(ValueError, match=r"decoder_input_ids contains id 61"):
+        model(input_ids=ids, decoder_input_ids=torch.tensor([[2, 61]]).expand(3, 2))
+    with pytest.raises(ValueError, match=r"labels contains id 99"):
+        model(input_ids=ids, labels=torch.tensor([[5, 99, -100]]).expand(3, 3))
+
+
+def test_missing_decoder_inputs_and_labels_is_refused():
+    with pytest.raises(ValueError, match=r"Pass decoder_input_ids .* or labels"):
+        tiny_model()(input_ids=batch()[0])
+
+
+def test_mask_shape_must_match_ids():
+    ids, mask = batch()
+    with pytest.raises(ValueError, match=r"attention_mask has shape \(3, 6\) but input_ids has shape \(3, 7\)"):
+        tiny_model()(input_ids=ids, attention_mask=mask[:, :6], decoder_input_ids=ids)
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"d_model": 25, "num_heads": 3, "d_k": None}, r"d_model=25 is not divisible by num_heads=3"),
+        ({"d_ff": 0}, r"d_ff=0 is not allowed; it must be a positive integer"),
+        ({"num_heads": -2}, r"num_heads=-2 is not allowed"),
+        ({"dropout": 1.0}, r"dropout=1.0 is not allowed; it must be a float in \[0, 1\)"),
+        ({"attention_dropout": -0.1}, r"attention_dropout=-0.1 is not allowed"),
+        ({"position_encoding": "rotary"}, r"position_encoding='rotary' is not allowed; choose one of"),
+        ({"eos_token_id": 61}, r"eos_token_id=61 is not allowed; it must be an id in \[0, vocab_size=61\)"),
+        ({"pad_token_id": -1}, r"pad_token_id=-1 is not allowed"),
+        ({"d_model": 21, "num_heads": 3}, r"d_model=21 must be even with sinusoidal positions"),
+    ],
+)
+def test_bad_config_values_are_refused(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        tiny_config(**overrides)
+
+
+def test_hf_conventional_names_map_onto_the_papers():
+    config = VaswaniConfig(hidden_size=48, num_attention_heads=6, encoder_layers=3, decoder_layers=4, encoder_ffn_dim=96)
+    assert (config.d_model, config.num_heads, config.num_encoder_layers, config.num_decoder_layers, config.d_ff) == \
+        (48, 6, 3, 4, 96)
+    assert config.d_k == config.d_v == 8 and config.num_hidden_layers == 4 and config.hidden_size == 48
+
+
+def test_package_version_and_exports():
+    assert vaswani_tx.__version__
+    assert vaswani_tx.VaswaniConfig.model_type == "vaswani"
