@@ -32,6 +32,7 @@ import logging
 import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from itertools import zip_longest
 from pathlib import Path
 from typing import Any
 
@@ -73,17 +74,17 @@ def _file_stamp(path: str | os.PathLike) -> tuple[str, int, int]:
 
 def _pairs_from_parallel_files(source_stamp: tuple, target_stamp: tuple) -> Iterator[dict[str, str]]:
     source_file, target_file = source_stamp[0], target_stamp[0]
-    sources, targets = iter_lines(source_file), iter_lines(target_file)
-    count = 0
-    for count, (source, target) in enumerate(zip(sources, targets), start=1):
-        yield {"source": source, "target": target}
-    source_rest, target_rest = sum(1 for _ in sources), sum(1 for _ in targets)
-    if source_rest or target_rest:
+    source_count = target_count = 0
+    for source, target in zip_longest(iter_lines(source_file), iter_lines(target_file)):
+        source_count += source is not None
+        target_count += target is not None
+        if source is not None and target is not None:
+            yield {"source": source, "target": target}
+    if source_count != target_count:
         raise CorpusError(
-            f"misaligned parallel files: {source_file} has {count + source_rest} lines, "
-            f"{target_file} has {count + target_rest}"
+            f"misaligned parallel files: {source_file} has {source_count} lines, {target_file} has {target_count}"
         )
-    if count == 0:
+    if source_count == 0:
         raise CorpusError(f"empty corpus: {source_file} and {target_file} have no lines")
 
 
