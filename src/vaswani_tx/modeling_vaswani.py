@@ -22,7 +22,7 @@ Options where the paper itself varies the model (Table 3): `num_heads`, `d_k`, `
 and learned positions (row E). `tie_word_embeddings=False` unties the pre-softmax projection.
 
 This file is copied next to saved weights for `trust_remote_code`: it imports only torch,
-transformers and the config.
+transformers, the config and the translation pipeline (which saving declares in config.json).
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ from transformers.modeling_outputs import (
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .configuration_vaswani import VaswaniConfig
+from .pipeline_vaswani import CUSTOM_PIPELINES
 
 # ---------------------------------------------------------------------------------------------------
 # 3.5 Positional encoding
@@ -688,6 +689,12 @@ class VaswaniForConditionalGeneration(VaswaniPreTrainedModel, GenerationMixin):
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
         self.post_init()
         self.generation_config = paper_generation_config(config)
+
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        """`PreTrainedModel.save_pretrained`, declaring the translation pipeline in config.json
+        (`custom_pipelines`); pipeline_vaswani.py travels with the code files, as this file imports it."""
+        self.config.custom_pipelines = CUSTOM_PIPELINES
+        return super().save_pretrained(save_directory, *args, **kwargs)
 
     def get_encoder(self, modality: str | None = None) -> Encoder:
         return self.model.encoder

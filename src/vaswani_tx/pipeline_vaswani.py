@@ -1,0 +1,76 @@
+"""`pipeline("translation", model=folder, trust_remote_code=True)` for saved vaswani_tx models.
+
+transformers 5 removed the built-in translation task (`pipeline("translation")` raises KeyError). A
+model can still declare its own pipeline: `save_pretrained` writes
+`config.custom_pipelines = {"translation": {"impl": "pipeline_vaswani.VaswaniTranslationPipeline", ...}}`
+and copies this file next to the weights, so the hub route works with or without the package:
+
+    pipeline("translation", model="path/or/repo", trust_remote_code=True)("Ein Hund läuft.")
+    # [{'translation_text': 'A dog runs.'}]
+
+With the package installed the class can also be passed directly:
+`pipeline("translation", model=folder, pipeline_class=VaswaniTranslationPipeline)`, or built around a
+model object with `VaswaniTranslationPipeline(model=model, tokenizer=tokenizer)`.
+
+This file is copied next to saved weights: it imports only transformers.
+"""
+
+from __future__ import annotations
+
+from transformers import Pipeline
+
+TASK = "translation"
+CUSTOM_PIPELINES = {
+    TASK: {
+        "impl": "pipeline_vaswani.VaswaniTranslationPipeline",
+        "pt": ["AutoModelForSeq2SeqLM"],
+        "type": "text",
+    }
+}
+
+
+class VaswaniTranslationPipeline(Pipeline):
+    """Translate a string or a list of strings with `model.generate` (the model's decoding defaults, Section 6.1).
+
+    Generation keyword arguments (`num_beams`, `length_penalty`, `max_new_tokens`, `length_penalty_type`,
+    `max_output_length_offset`, ...) pass through to `generate`, at construction or per call. Returns one
+    `{"translation_text": ...}` per input, in input order; `batch_size` batches inputs (padded on the right).
+    """
+
+    _load_tokenizer = True
+    _load_processor = False
+    _load_image_processor = False
+    _load_feature_extractor = False
+    _pipeline_calls_generate = True
+
+    def _sanitize_parameters(self, truncation=None, clean_up_tokenization_spaces=None, **generate_kwargs):
+        preprocess_params = {} if truncation is None else {"truncation": truncation}
+        postprocess_params = {}
+        if clean_up_tokenization_spaces is not None:
+            postprocess_params["clean_up_tokenization_spaces"] = clean_up_tokenization_spaces
+        return preprocess_params, generate_kwargs, postprocess_params
+
+    def __call__(self, inputs, **kwargs):
+        if isinstance(inputs, str):
+            return super().__call__(inputs, **kwargs)
+        if not isinstance(inputs, (list, tuple)) or not all(isinstance(text, str) for text in inputs):
+            raise TypeError("The translation pipeline takes a string or a list of strings.")
+        return [result[0] for result in super().__call__(list(inputs), **kwargs)]
+
+    def preprocess(self, text: str, truncation: bool = False):
+        return self.tokenizer(text, return_tensors="pt", truncation=truncation)
+
+    def _forward(self, model_inputs, **generate_kwargs):
+        model_inputs.pop("token_type_ids", None)
+        output_ids = self.model.generate(**model_inputs, **self._prepare_generate_kwargs(generate_kwargs))
+        return {"output_ids": output_ids}
+
+    def postprocess(self, model_outputs, clean_up_tokenization_spaces: bool = False):
+        return [
+            {"translation_text": self.tokenizer.decode(ids, skip_special_tokens=True,
+                                                       clean_up_tokenization_spaces=clean_up_tokenization_spaces)}
+            for ids in model_outputs["output_ids"]
+        ]
+
+
+__all__ = ["CUSTOM_PIPELINES", "TASK", "VaswaniTranslationPipeline"]

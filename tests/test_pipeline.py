@@ -1,0 +1,98 @@
+"""pipeline("translation", ..., trust_remote_code=True): the route transformers 5 leaves for translation."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from transformers import pipeline
+
+from vaswani_tx import VaswaniConfig, VaswaniForConditionalGeneration
+from vaswani_tx.pipeline_vaswani import VaswaniTranslationPipeline
+from vaswani_tx.tokenization import train_tokenizer
+
+SENTENCES = ["Ein Hund läuft über die Wiese.", "Zwei Männer spielen Fußball.", "Eine Frau liest."]
+
+
+@pytest.fixture(scope="module")
+def saved_model(tmp_path_factory, shared_data):
+    folder = tmp_path_factory.mktemp("model")
+    corpus = tmp_path_factory.mktemp("corpus")
+    for lang in ("en", "de"):
+        lines = (shared_data / "multi30k-en-de" / f"train.{lang}").read_text(encoding="utf-8").splitlines()[:2000]
+        (corpus / f"train.{lang}").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    tokenizer = train_tokenizer([corpus / "train.de", corpus / "train.en"], vocab_size=400, show_progress=False)
+    torch.manual_seed(0)
+    model = VaswaniForConditionalGeneration(VaswaniConfig(
+        vocab_size=len(tokenizer), d_model=24, num_heads=3, d_ff=40, num_encoder_layers=2, num_decoder_layers=2,
+    )).eval()
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder, model, tokenizer
+
+
+def generate_texts(model, tokenizer, texts, **kwargs):
+    batch = tokenizer(texts, return_tensors="pt", padding=True)
+    output = model.generate(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], **kwargs)
+    return tokenizer.batch_decode(output, skip_special_tokens=True)
+
+
+def test_saved_folder_declares_the_pipeline(saved_model):
+    folder, _, _ = saved_model
+    config = json.loads((folder / "config.json").read_text())
+    assert config["custom_pipelines"]["translation"]["impl"] == "pipeline_vaswani.VaswaniTranslationPipeline"
+    assert (folder / "pipeline_vaswani.py").is_file()
+
+
+def test_remote_code_pipeline_equals_generate(saved_model):
+    folder, model, tokenizer = saved_model
+    translator = pipeline("translation", model=str(folder), trust_remote_code=True)
+    assert type(translator).__name__ == "VaswaniTranslationPipeline"
+    expected = generate_texts(model, tokenizer, SENTENCES[:1], max_new_tokens=8)
+    assert translator(SENTENCES[0], max_new_tokens=8) == [{"translation_text": expected[0]}]
+    # Lists, batching and generation kwargs at construction or per call; one result per input, in order.
+    expected = [generate_texts(model, tokenizer, [s], num_beams=2, max_new_tokens=6)[0] for s in SENTENCES]
+    results = translator(SENTENCES, batch_size=2, num_beams=2, max_new_tokens=6)
+    assert [r["translation_text"] for r in results] == expected
+
+
+def test_pipeline_uses_the_papers_decoding_defaults(saved_model):
+    folder, model, tokenizer = saved_model
+    translator = pipeline("translation", model=str(folder), pipeline_class=VaswaniTranslationPipeline)
+    expected = generate_texts(model, tokenizer, SENTENCES[:2])  # beam 4, GNMT penalty, source length + 50
+    assert [r["translation_text"] for r in translator(SENTENCES[:2])] == expected
+
+
+def test_pipeline_class_around_a_model_object(saved_model):
+    _, model, tokenizer = saved_model
+    translator = VaswaniTranslationPipeline(model=model, tokenizer=tokenizer, max_new_tokens=5)
+    assert translator(SENTENCES[2]) == [{"translation_text": generate_texts(model, tokenizer, SENTENCES[2:], max_new_tokens=5)[0]}]
+    with pytest.raises(TypeError, match="a string or a list of strings"):
+        translator(42)
+
+
+def test_routes_that_cannot_work_say_which_does(saved_model):
+    folder, _, _ = saved_model
+    with pytest.raises(ValueError, match="trust_remote_code=True"):
+        pipeline("translation", model=str(folder))
+
+
+def test_remote_code_pipeline_without_the_package(saved_model, tmp_path):
+    folder, model, tokenizer = saved_model
+    expected = [generate_texts(model, tokenizer, [s], max_new_tokens=7)[0] for s in SENTENCES]
+    script = textwrap.dedent(f"""
+        import json, sys
+        sys.modules["vaswani_tx"] = None  # as in a process where the package is not installed
+        from transformers import pipeline
+        translator = pipeline("translation", model={str(folder)!r}, trust_remote_code=True)
+        print(json.dumps([r["translation_text"] for r in translator({SENTENCES!r}, max_new_tokens=7)]))
+    """)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_MODULES_CACHE": str(tmp_path / "modules")}
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert json.loads(result.stdout.strip().splitlines()[-1]) == expected
