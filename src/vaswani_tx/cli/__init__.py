@@ -14,6 +14,7 @@ import sys
 # command name -> (module under vaswani_tx.cli, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "params": ("params", "print parameter counts of model configs against the paper's Table 3"),
+    "attention": ("attention", "draw attention maps per layer and head as PNG (the paper's Figures 3-5)"),
     "train-tokenizer": ("train_tokenizer", "learn a shared BPE or WordPiece vocabulary from parallel text"),
     "prepare-data": ("prepare_data", "clean and encode a parallel corpus into a dataset ready for training"),
 }
