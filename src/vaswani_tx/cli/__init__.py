@@ -14,6 +14,9 @@ import sys
 # command name -> (module under vaswani_tx.cli, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "params": ("params", "print parameter counts of model configs against the paper's Table 3"),
+    "train": ("train", "train a model from a run config (configs/train/*.yaml), resumable"),
+    "average-checkpoints": ("average_checkpoints", "average a run's last checkpoints into one model (Section 6.1)"),
+    "translate": ("translate", "translate sentences or a file with a trained model; score against references"),
     "attention": ("attention", "draw attention maps per layer and head as PNG (the paper's Figures 3-5)"),
     "train-tokenizer": ("train_tokenizer", "learn a shared BPE or WordPiece vocabulary from parallel text"),
     "prepare-data": ("prepare_data", "clean and encode a parallel corpus into a dataset ready for training"),
