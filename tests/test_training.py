@@ -23,6 +23,7 @@ from safetensors.torch import load_file
 import vaswani_tx  # noqa: F401  (registers the Auto classes)
 from vaswani_tx.configuration_vaswani import VaswaniConfig
 from vaswani_tx.modeling_vaswani import VaswaniForConditionalGeneration
+from vaswani_tx.params import load_model_config
 from vaswani_tx.training import (
     CheckpointError,
     ConfigError,
@@ -409,7 +410,18 @@ def test_tokens_per_step_sets_gradient_accumulation(tiny_recipe, tmp_path):
 def test_shipped_run_configs_load_and_start_with_their_command(name):
     path = REPO / "configs" / "train" / name
     assert path.read_text(encoding="utf-8").startswith(f"# vaswani-tx train configs/train/{name}")
-    recipe, arguments = load_run_config(path, world_size=8 if "wmt14" in name else 1)
+    # bf16 needs a GPU (or a CPU that supports it) to construct; the GPU configs ask for it
+    gpu_only = {} if torch.cuda.is_available() else {"bf16": False, "use_cpu": True}
+    if "wmt14" in name:
+        assert yaml.safe_load(path.read_text(encoding="utf-8"))["bf16"] is True
+    recipe, arguments = load_run_config(path, gpu_only if "wmt14" in name else {}, world_size=8 if "wmt14" in name else 1)
+    if "wmt14" in name:
+        assert recipe.max_tokens * 8 * arguments.gradient_accumulation_steps == 25_000  # Section 5.1's step
+        assert recipe.save_minutes == 10 and recipe.average_last == (5 if "base" in name else 20)
+        assert arguments.max_steps == (100_000 if "base" in name else 300_000) and arguments.warmup_steps == 4000
+        model = load_model_config(REPO / recipe.model_config)
+        assert model.dropout == {"wmt14-en-de-base.yaml": 0.1, "wmt14-en-de-big.yaml": 0.3, "wmt14-en-fr-big.yaml": 0.1}[name]
+        assert (model.vocab_size, recipe.tokenizer_kind) == ((32000, "wordpiece") if "en-fr" in name else (37000, "bpe"))
     assert (arguments.adam_beta1, arguments.adam_beta2, arguments.adam_epsilon) == (0.9, 0.98, 1e-9)
     assert arguments.max_grad_norm == 0 and arguments.weight_decay == 0
     assert arguments.label_smoothing_factor == 0.1
