@@ -426,3 +426,19 @@ def test_shipped_run_configs_load_and_start_with_their_command(name):
     assert arguments.max_grad_norm == 0 and arguments.weight_decay == 0
     assert arguments.label_smoothing_factor == 0.1
     assert (REPO / recipe.model_config).is_file()
+
+
+def test_training_flops_equal_torch_flop_counter():
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from vaswani_tx.training import training_flops
+
+    config = VaswaniConfig(vocab_size=40, d_model=24, d_ff=48, num_heads=3, d_k=8, d_v=4,
+                           num_encoder_layers=2, num_decoder_layers=1, dropout=0.0)
+    config._attn_implementation = "eager"
+    model = VaswaniForConditionalGeneration(config)
+    source = torch.randint(4, 40, (2, 5))
+    labels = torch.randint(4, 40, (2, 7))
+    with FlopCounterMode(display=False) as counter:
+        model(input_ids=source, labels=labels).loss.backward()
+    assert counter.get_total_flops() == training_flops(config, 2 * 5, 2 * 7, 5, 7)
