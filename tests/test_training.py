@@ -442,3 +442,26 @@ def test_training_flops_equal_torch_flop_counter():
     with FlopCounterMode(display=False) as counter:
         model(input_ids=source, labels=labels).loss.backward()
     assert counter.get_total_flops() == training_flops(config, 2 * 5, 2 * 7, 5, 7)
+
+
+def test_bf16_training_steps_stay_finite(tiny_recipe, tmp_path):
+    # padded batches under autocast: the masks use bf16's minimum, so nothing overflows to inf or NaN
+    values = {**tiny_recipe, "max_steps": 3, "save_strategy": "no", "bf16": True, "output_dir": str(tmp_path / "o")}
+    recipe, arguments = load_run_config(_write_config(tmp_path / "c.yaml", values))
+    train(recipe, arguments)
+    losses = [loss for _, loss in _losses(tmp_path / "o")]
+    assert len(losses) == 3 and all(math.isfinite(loss) and loss > 0 for loss in losses)
+
+
+def test_evaluation_logs_dev_loss_bleu_and_the_signature(tiny_recipe, tmp_path, caplog):
+    values = {**tiny_recipe, "max_steps": 2, "save_strategy": "no", "eval_strategy": "steps", "eval_steps": 2,
+              "predict_with_generate": True, "generation_num_beams": 2, "generation_max_length": 8,
+              "dev_max_pairs": 6, "output_dir": str(tmp_path / "o")}
+    recipe, arguments = load_run_config(_write_config(tmp_path / "c.yaml", values))
+    with caplog.at_level("INFO", logger="vaswani_tx.evaluation"):
+        metrics = train(recipe, arguments)
+    history = json.loads((tmp_path / "o" / "log_history.json").read_text(encoding="utf-8"))
+    evaluations = [entry for entry in history if "eval_sacrebleu" in entry]
+    assert evaluations and evaluations[0]["step"] == 2 and math.isfinite(evaluations[0]["eval_loss"])
+    assert {"eval_loss", "eval_sacrebleu", "eval_chrf"} <= metrics.keys()
+    assert "sacreBLEU nrefs:1|case:mixed|eff:no|tok:13a" in caplog.text

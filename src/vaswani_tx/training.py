@@ -722,7 +722,8 @@ def train(recipe: RecipeConfig, arguments: Seq2SeqTrainingArguments, resume: boo
     result = trainer.train(resume_from_checkpoint=checkpoint)
     metrics = dict(result.metrics)
     if arguments.eval_strategy != "no":
-        metrics.update(trainer.evaluate())
+        final = [e for e in trainer.state.log_history if "eval_loss" in e and e["step"] == trainer.state.global_step]
+        metrics.update({k: v for k, v in final[-1].items() if k.startswith("eval_")} if final else trainer.evaluate())
     trainer.save_model()
     if trainer.is_world_process_zero():
         output_dir = Path(arguments.output_dir)
