@@ -465,3 +465,21 @@ def test_evaluation_logs_dev_loss_bleu_and_the_signature(tiny_recipe, tmp_path, 
     assert evaluations and evaluations[0]["step"] == 2 and math.isfinite(evaluations[0]["eval_loss"])
     assert {"eval_loss", "eval_sacrebleu", "eval_chrf"} <= metrics.keys()
     assert "sacreBLEU nrefs:1|case:mixed|eff:no|tok:13a" in caplog.text
+
+
+def test_timed_checkpoint_callback_asks_for_a_save_once_the_minutes_have_passed():
+    from transformers import TrainerControl, TrainerState
+
+    from vaswani_tx.training import TimedCheckpointCallback
+
+    callback = TimedCheckpointCallback(minutes=10)
+    control = TrainerControl()
+    callback.on_step_end(None, TrainerState(), control)
+    assert not control.should_save
+    callback.last_save -= 10 * 60  # ten minutes later
+    callback.on_step_end(None, TrainerState(), control)
+    assert control.should_save
+    callback.on_save(None, TrainerState(), TrainerControl())
+    fresh = TrainerControl()
+    callback.on_step_end(None, TrainerState(), fresh)
+    assert not fresh.should_save

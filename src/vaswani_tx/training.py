@@ -1,7 +1,19 @@
-"""Training wiring for ``Seq2SeqTrainer``.
+"""The paper's training recipe (Section 5) on ``Seq2SeqTrainer``, and checkpoint averaging (Section 6.1).
 
-:class:`TokenBudgetSeq2SeqTrainer` batches by tokens instead of sentences (Section 5.1: "each training
-batch contained ... approximately 25000 source tokens and 25000 target tokens").
+- :class:`TokenBudgetSeq2SeqTrainer` batches by tokens instead of sentences (Section 5.1: "each training
+  batch contained ... approximately 25000 source tokens and 25000 target tokens").
+- :func:`get_paper_schedule` is the learning rate of Section 5.3 (equation 3); :func:`label_smoothed_loss`
+  the label smoothing of Section 5.4; :class:`VaswaniTrainer` puts both, Adam (0.9, 0.98, 1e-9) and the
+  token budget together.
+- :func:`load_run_config` reads a ``configs/train/*.yaml`` run config; :func:`train` runs it, resumably.
+- :func:`average_checkpoints` averages the last checkpoints (Section 6.1); :func:`translate` decodes with
+  a saved model; :func:`training_flops` counts a step's cost; :func:`plot_curves` draws the curves.
+
+Departures, each for a stated reason: the schedule is evaluated at ``updates_done + 1`` so the first
+update uses step 1 (a plain ``LambdaLR`` would use step 0, rate 0); the loss is normalised by the
+target tokens of the whole optimizer step rather than per batch, so accumulation and data parallelism
+equal one large batch; smoothing spreads ``epsilon`` over the whole vocabulary (Szegedy et al., the
+paper's reference [36]) rather than over the ``V - 1`` wrong tokens as tensor2tensor does.
 """
 
 from __future__ import annotations
