@@ -268,9 +268,10 @@ def test_two_processes_equal_one_process_with_the_same_global_batch(tiny_recipe,
     two = tmp_path / "two"
     config = _write_config(tmp_path / "two.yaml", {**values, "output_dir": str(two)})
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
+    # accelerate's torchrun launcher; the config's use_cpu makes the processes join over gloo
     process = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29517",
-         "-m", "vaswani_tx.cli", "train", str(config)],
+        [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+         "--main_process_port", "29517", "-m", "vaswani_tx.cli", "train", str(config)],
         env=env, cwd=REPO, capture_output=True, text=True, timeout=300,
     )
     assert process.returncode == 0, (process.stdout + process.stderr)[-3000:]
