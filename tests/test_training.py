@@ -484,3 +484,24 @@ def test_timed_checkpoint_callback_asks_for_a_save_once_the_minutes_have_passed(
     fresh = TrainerControl()
     callback.on_step_end(None, TrainerState(), fresh)
     assert not fresh.should_save
+
+
+def test_translate_command_scores_against_references_with_signatures(tiny_recipe, tmp_path):
+    from vaswani_tx.tokenization import load_tokenizer
+    from vaswani_tx.training import translate
+
+    tokenizer = load_tokenizer(tiny_recipe["tokenizer"])
+    torch.manual_seed(0)
+    model = VaswaniForConditionalGeneration(_tiny_config(len(tokenizer)))
+    model.save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    sentences = ["A dog runs.", "Two men are playing soccer in a park near a river."]
+    outputs = translate(tmp_path / "model", sentences, num_beams=1, batch_size=1)
+    assert len(outputs) == 2 and all(isinstance(text, str) for text in outputs)
+    # batching sorts by length; the outputs come back in input order
+    assert translate(tmp_path / "model", sentences[::-1], num_beams=1) == outputs[::-1]
+    output = _finish(_cli("translate", str(tmp_path / "model"), "--source", tiny_recipe["dev_source"],
+                          "--reference", tiny_recipe["dev_target"], "--num-beams", "1",
+                          "--output", str(tmp_path / "hyp.de")))
+    assert "sacreBLEU" in output and "nrefs:1|case:mixed|eff:no|tok:13a" in output
+    assert len((tmp_path / "hyp.de").read_text(encoding="utf-8").splitlines()) == 12
