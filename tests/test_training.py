@@ -323,6 +323,7 @@ def test_average_of_3_checkpoints_is_the_mean_and_loads(tmp_path):
 
 def test_average_checkpoints_command_takes_the_last_n(tmp_path):
     _fake_run(tmp_path / "run", steps=(5, 10, 20, 40))
+    VaswaniForConditionalGeneration(_tiny_config(40)).save_pretrained(tmp_path / "run")  # a finished run's final model
     process = _cli("average-checkpoints", str(tmp_path / "run"), "--last", "2", "--output-dir", str(tmp_path / "avg"))
     output = _finish(process)
     assert "checkpoint-20, checkpoint-40" in output
@@ -505,3 +506,28 @@ def test_translate_command_scores_against_references_with_signatures(tiny_recipe
                           "--output", str(tmp_path / "hyp.de")))
     assert "sacreBLEU" in output and "nrefs:1|case:mixed|eff:no|tok:13a" in output
     assert len((tmp_path / "hyp.de").read_text(encoding="utf-8").splitlines()) == 12
+
+
+def test_resuming_a_finished_run_trains_no_further_step(tiny_recipe, tmp_path):
+    values = {**tiny_recipe, "max_steps": 2, "save_steps": 2, "output_dir": str(tmp_path / "run")}
+    recipe, arguments = load_run_config(_write_config(tmp_path / "c.yaml", values))
+    train(recipe, arguments)
+    before = load_file(tmp_path / "run" / "model.safetensors")
+    metrics = train(recipe, arguments, resume=True)
+    assert metrics["global_step"] == 2
+    assert [p.name for p in (tmp_path / "run").glob("checkpoint-*")] == ["checkpoint-2"]
+    assert [step for step, _ in _losses(tmp_path / "run")] == [1, 2]
+    after = load_file(tmp_path / "run" / "model.safetensors")
+    assert all(torch.equal(after[name], tensor) for name, tensor in before.items())
+
+
+def test_train_command_takes_overrides_before_or_after_resume(monkeypatch):
+    from vaswani_tx import cli
+
+    seen = []
+    monkeypatch.setattr("vaswani_tx.cli.train.run", lambda args: seen.append((args.overrides, args.resume)) or 0)
+    assert cli.main(["train", "c.yaml", "--resume", "max_steps=5", "seed=2"]) == 0
+    assert cli.main(["train", "c.yaml", "max_steps=5", "--resume", "seed=2"]) == 0
+    assert seen == [(["max_steps=5", "seed=2"], True)] * 2
+    with pytest.raises(SystemExit):
+        cli.main(["train", "c.yaml", "--resume", "max_steps=5", "--bogus"])

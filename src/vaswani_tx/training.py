@@ -721,6 +721,10 @@ def train(recipe: RecipeConfig, arguments: Seq2SeqTrainingArguments, resume: boo
         eval_max_tokens=recipe.eval_max_tokens,
     )
     trainer.add_callback(SamplerStateCallback(trainer))
+    if checkpoint is not None and _reached_max_steps(checkpoint, arguments):
+        # The Trainer would take one more step before checking max_steps; a finished run stays finished.
+        logger.info("%s already reached max_steps=%d: nothing left to train", checkpoint, arguments.max_steps)
+        return _finish_from_checkpoint(trainer, checkpoint)
     world = max(1, arguments.world_size)
     logger.info(
         "processes: %d, gradient accumulation: %d, max_tokens: %d per batch: up to %d source and %d target "
@@ -734,15 +738,42 @@ def train(recipe: RecipeConfig, arguments: Seq2SeqTrainingArguments, resume: boo
     result = trainer.train(resume_from_checkpoint=checkpoint)
     metrics = dict(result.metrics)
     if arguments.eval_strategy != "no":
-        final = [e for e in trainer.state.log_history if "eval_loss" in e and e["step"] == trainer.state.global_step]
-        metrics.update({k: v for k, v in final[-1].items() if k.startswith("eval_")} if final else trainer.evaluate())
+        final = _last_evaluation(trainer.state.log_history, trainer.state.global_step)
+        metrics.update(final if final else trainer.evaluate())
+    _save_final(trainer)
+    return metrics
+
+
+def _reached_max_steps(checkpoint: str, arguments: Seq2SeqTrainingArguments) -> bool:
+    state = json.loads((Path(checkpoint) / "trainer_state.json").read_text(encoding="utf-8"))
+    return arguments.max_steps > 0 and state["global_step"] >= arguments.max_steps
+
+
+def _last_evaluation(log_history: Sequence[dict[str, Any]], step: int) -> dict[str, Any]:
+    final = [entry for entry in log_history if "eval_loss" in entry and entry["step"] == step]
+    return {key: value for key, value in final[-1].items() if key.startswith("eval_")} if final else {}
+
+
+def _finish_from_checkpoint(trainer: VaswaniTrainer, checkpoint: str) -> dict[str, Any]:
+    from transformers import TrainerState
+
+    from vaswani_tx.modeling_vaswani import VaswaniForConditionalGeneration
+
+    trainer.model.load_state_dict(VaswaniForConditionalGeneration.from_pretrained(checkpoint).state_dict())
+    trainer.state = TrainerState.load_from_json(str(Path(checkpoint) / "trainer_state.json"))
+    metrics = {"global_step": trainer.state.global_step, **_last_evaluation(trainer.state.log_history, trainer.state.global_step)}
+    _save_final(trainer)
+    return metrics
+
+
+def _save_final(trainer: VaswaniTrainer) -> None:
+    """The final model and tokenizer in ``output_dir``, with ``log_history.json`` and ``curves.png``."""
     trainer.save_model()
     if trainer.is_world_process_zero():
-        output_dir = Path(arguments.output_dir)
-        (output_dir / "log_history.json").write_text(json.dumps(trainer.state.log_history, indent=1) + "\n",
-                                                     encoding="utf-8")
-        plot_curves(trainer.state.log_history, output_dir / "curves.png")
-    return metrics
+        output_dir = Path(trainer.args.output_dir)
+        history = trainer.state.log_history
+        (output_dir / "log_history.json").write_text(json.dumps(history, indent=1) + "\n", encoding="utf-8")
+        plot_curves(history, output_dir / "curves.png")
 
 
 def translate(

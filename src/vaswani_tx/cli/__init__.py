@@ -33,12 +33,20 @@ def build_parser() -> argparse.ArgumentParser:
         module = importlib.import_module(f"vaswani_tx.cli.{module_name}")
         command_parser = sub.add_parser(name, help=help_text, description=module.__doc__)
         module.add_arguments(command_parser)
-        command_parser.set_defaults(_run=module.run)
+        command_parser.set_defaults(_run=module.run, _intermixed=getattr(module, "INTERMIXED", None))
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    # argparse stops filling a nargs="*" positional at the first option: `train CONFIG --resume k=v`
+    # leaves k=v over. A command that names such a positional in INTERMIXED takes the leftovers there.
+    dest = args._intermixed
+    if extra and dest and not any(item.startswith("-") for item in extra):
+        setattr(args, dest, [*getattr(args, dest), *extra])
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     return int(args._run(args) or 0)
 
 

@@ -31,10 +31,11 @@ def run(args: argparse.Namespace) -> int:
     if args.last < 1:
         raise SystemExit(f"average-checkpoints: --last must be >= 1, got {args.last}")
     try:
-        if len(args.paths) == 1 and not (Path(args.paths[0]) / "config.json").is_file():
-            found = checkpoint_folders(args.paths[0])
-            if not found:
-                raise CheckpointError(f"{args.paths[0]} holds no checkpoint-<step> folders")
+        # a run folder holds checkpoint-<step> folders (and, once finished, its final model too)
+        found = checkpoint_folders(args.paths[0]) if len(args.paths) == 1 else []
+        if len(args.paths) == 1 and not found and not (Path(args.paths[0]) / "config.json").is_file():
+            raise CheckpointError(f"{args.paths[0]} holds no checkpoint-<step> folders")
+        if found:
             chosen = found[-args.last:]
             if len(chosen) < args.last:
                 print(f"only {len(chosen)} checkpoints in {args.paths[0]}: averaging those")
