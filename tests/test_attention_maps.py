@@ -5,26 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vaswani_tx import VaswaniConfig, VaswaniForConditionalGeneration
 from vaswani_tx.attention_maps import attention_weights, plot_attention_maps
 from vaswani_tx.cli import main
-from vaswani_tx.tokenization import train_tokenizer
 
 
 @pytest.fixture(scope="module")
-def saved(tmp_path_factory, shared_data):
-    folder = tmp_path_factory.mktemp("attention-model")
-    lines = (shared_data / "multi30k-en-de" / "val.de").read_text(encoding="utf-8").splitlines()
-    lines += (shared_data / "multi30k-en-de" / "val.en").read_text(encoding="utf-8").splitlines()
-    corpus = folder / "corpus.txt"
-    corpus.write_text("\n".join(lines) + "\n", encoding="utf-8")
-    tokenizer = train_tokenizer([corpus], vocab_size=500, show_progress=False)
-    torch.manual_seed(0)
-    model = VaswaniForConditionalGeneration(VaswaniConfig(vocab_size=len(tokenizer), d_model=24, num_heads=3, d_ff=40,
-                                                          num_encoder_layers=2, num_decoder_layers=2)).eval()
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder, model, tokenizer
+def saved(tiny_translator):
+    return tiny_translator
 
 
 def test_weights_have_the_right_axes_and_sum_to_one(saved):

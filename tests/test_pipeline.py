@@ -9,31 +9,16 @@ import sys
 import textwrap
 
 import pytest
-import torch
 from transformers import pipeline
 
-from vaswani_tx import VaswaniConfig, VaswaniForConditionalGeneration
 from vaswani_tx.pipeline_vaswani import VaswaniTranslationPipeline
-from vaswani_tx.tokenization import train_tokenizer
 
 SENTENCES = ["Ein Hund läuft über die Wiese.", "Zwei Männer spielen Fußball.", "Eine Frau liest."]
 
 
 @pytest.fixture(scope="module")
-def saved_model(tmp_path_factory, shared_data):
-    folder = tmp_path_factory.mktemp("model")
-    corpus = tmp_path_factory.mktemp("corpus")
-    for lang in ("en", "de"):
-        lines = (shared_data / "multi30k-en-de" / f"train.{lang}").read_text(encoding="utf-8").splitlines()[:2000]
-        (corpus / f"train.{lang}").write_text("\n".join(lines) + "\n", encoding="utf-8")
-    tokenizer = train_tokenizer([corpus / "train.de", corpus / "train.en"], vocab_size=400, show_progress=False)
-    torch.manual_seed(0)
-    model = VaswaniForConditionalGeneration(VaswaniConfig(
-        vocab_size=len(tokenizer), d_model=24, num_heads=3, d_ff=40, num_encoder_layers=2, num_decoder_layers=2,
-    )).eval()
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder, model, tokenizer
+def saved_model(tiny_translator):
+    return tiny_translator
 
 
 def generate_texts(model, tokenizer, texts, **kwargs):

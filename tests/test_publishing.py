@@ -9,11 +9,9 @@ import sys
 import textwrap
 
 import pytest
-import torch
 
 from vaswani_tx import VaswaniConfig, VaswaniForConditionalGeneration
 from vaswani_tx.publishing import REQUIRED_FILES, check_hub_folder, push_to_hub, render_model_card, save_for_hub
-from vaswani_tx.tokenization import train_tokenizer
 
 CARD = dict(repo="someone/vaswani-tiny-de-en", source_lang="de", target_lang="en",
             training_data="Multi30k Task 1 train (29,000 pairs), shared BPE vocabulary.", datasets=["bentrevett/multi30k"],
@@ -22,14 +20,8 @@ CARD = dict(repo="someone/vaswani-tiny-de-en", source_lang="de", target_lang="en
 
 
 @pytest.fixture(scope="module")
-def model_and_tokenizer(tmp_path_factory, shared_data):
-    corpus = tmp_path_factory.mktemp("publish") / "corpus.txt"
-    text = (shared_data / "multi30k-en-de" / "val.de").read_text(encoding="utf-8")
-    corpus.write_text(text + (shared_data / "multi30k-en-de" / "val.en").read_text(encoding="utf-8"), encoding="utf-8")
-    tokenizer = train_tokenizer([corpus], vocab_size=500, show_progress=False)
-    torch.manual_seed(0)
-    model = VaswaniForConditionalGeneration(VaswaniConfig(vocab_size=len(tokenizer), d_model=24, num_heads=3, d_ff=40,
-                                                          num_encoder_layers=2, num_decoder_layers=2)).eval()
+def model_and_tokenizer(tiny_translator):
+    _, model, tokenizer = tiny_translator
     return model, tokenizer
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 from string import Template
 from typing import Any, Sequence
 
+from .configuration_vaswani import VaswaniConfig
 from .paper import DEPARTURES_FROM_THE_PAPER
 
 TEMPLATE = Path(__file__).with_name("templates") / "model_card_template.md"
@@ -24,22 +25,23 @@ REQUIRED_FILES = (
     "pipeline_vaswani.py", "tokenizer.json", "tokenizer_config.json", "README.md",
 )
 
-# Options whose default is the paper's: a model that changes one lists it in its card.
+# Options whose VaswaniConfig default is the paper's: a model that changes one lists it in its card.
 _PAPER_OPTIONS = {
-    "position_encoding": ("sinusoidal", "learned positional embeddings instead of sinusoids (Table 3 row E)"),
-    "tie_word_embeddings": (True, "the pre-softmax projection is not tied to the embeddings"),
-    "scale_embedding": (True, "embeddings are not multiplied by sqrt(d_model)"),
-    "attention_dropout": (0.0, "dropout on attention weights"),
-    "activation_dropout": (0.0, "dropout after the feed-forward ReLU"),
+    "position_encoding": "learned positional embeddings instead of sinusoids (Table 3 row E)",
+    "tie_word_embeddings": "the pre-softmax projection is not tied to the embeddings",
+    "scale_embedding": "embeddings are not multiplied by sqrt(d_model)",
+    "attention_dropout": "dropout on attention weights",
+    "activation_dropout": "dropout after the feed-forward ReLU",
 }
 
 
 def departures(model) -> list[str]:
     """The package's documented choices, plus every option of this model that differs from the paper."""
     items = list(DEPARTURES_FROM_THE_PAPER)
-    for field, (paper_value, description) in _PAPER_OPTIONS.items():
+    defaults = VaswaniConfig.__dataclass_fields__
+    for field, description in _PAPER_OPTIONS.items():
         value = getattr(model.config, field)
-        if value != paper_value:
+        if value != defaults[field].default:
             items.append(f"`{field}={value!r}`: {description}.")
     generation = model.generation_config
     if getattr(generation, "length_penalty_type", "gnmt") != "gnmt":
