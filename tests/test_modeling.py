@@ -402,6 +402,26 @@ def test_beam_scores_use_the_gnmt_penalty():
         assert hf_form.sequences_scores[0].item() == pytest.approx((total / length**0.6).item(), abs=1e-4)
 
 
+def test_source_cap_holds_without_warning_when_the_generation_config_carries_a_max_length():
+    # Seq2SeqTrainer's evaluation writes transformers' defaults (max_length=20, ...) into the model's
+    # generation config, and a model saved after training keeps them.
+    import logging
+
+    model = never_ending(tiny_model())
+    model.generation_config.max_length = 20
+    ids, mask = batch(lengths=(7, 3))
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("transformers").addHandler(handler)
+    try:
+        out = model.generate(input_ids=ids, attention_mask=mask, num_beams=1)
+    finally:
+        logging.getLogger("transformers").removeHandler(handler)
+    assert out.shape[1] == 1 + 7 + 50
+    assert [r.getMessage() for r in records if "max_length" in r.getMessage()] == []
+
+
 def test_explicit_max_new_tokens_replaces_the_source_cap():
     model = never_ending(tiny_model())
     ids, mask = batch()

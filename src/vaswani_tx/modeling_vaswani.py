@@ -794,7 +794,11 @@ class VaswaniForConditionalGeneration(VaswaniPreTrainedModel, GenerationMixin):
                                               kwargs.get("attention_mask"))
         if offset is not None and not explicit_limit and source_lengths is not None:
             limits = source_lengths + int(offset)  # (B,)
-            kwargs["max_new_tokens"] = int(limits.max())
+            # As max_length (decoder prefix + longest cap), not max_new_tokens: a saved generation config
+            # that carries a max_length (Seq2SeqTrainer's evaluation writes its defaults into the model's)
+            # would otherwise clash with it and make generate() warn.
+            prefix = kwargs["decoder_input_ids"].shape[1] if kwargs.get("decoder_input_ids") is not None else 1
+            kwargs["max_length"] = prefix + int(limits.max())
             cap = SourceLengthCap(limits, self.config.eos_token_id)
             logits_processor = LogitsProcessorList([*(logits_processor or []), cap])
         return super().generate(inputs, generation_config=generation_config, logits_processor=logits_processor, **kwargs)
