@@ -16,8 +16,7 @@ VX=.venv/bin/vaswani-tx
 $VX train "$CONFIG" --resume "$@"
 $VX average-checkpoints "$RUN" --last 5 --output-dir "$RUN/averaged"   # average_last in $CONFIG
 echo "== val (all $(wc -l < "$DATA/val.en") sentences), averaged model, beam 4:"
-$VX translate "$RUN/averaged" --source "$DATA/val.en" --reference "$DATA/val.de" --target-lang de \
-    --output "$RUN/averaged/val.hyp.de"
+$VX evaluate "$RUN/averaged" --source "$DATA/val.en" --reference "$DATA/val.de" --output-dir "$RUN/averaged"
 echo "== a few sentences:"
 $VX translate "$RUN/averaged" "A man in a blue shirt is riding a bike down the street." \
     "Two dogs are playing in the snow." "A little girl is reading a book on a bench." \

@@ -66,14 +66,18 @@ def score(
 
 
 def read_lines(path: str | PathLike[str]) -> list[str]:
-    """Lines of a UTF-8 text file, read as the ``sacrebleu`` command line reads them.
+    """Lines of a UTF-8 text file, read as the ``sacrebleu`` command line reads them (see ``decode_lines``)."""
+    return decode_lines(Path(path).read_bytes(), str(path))
+
+
+def decode_lines(data: bytes, name: str) -> list[str]:
+    """Split UTF-8 bytes into lines as the ``sacrebleu`` command line does; ``name`` labels errors.
 
     Lines end at ``\\n`` only (``str.splitlines`` would also break at U+2028 and friends and misalign
     a corpus); trailing whitespace, ``\\r`` included, is stripped. A byte sequence that is not UTF-8
     raises ``ValueError`` naming the file and the line.
     """
-    path = Path(path)
-    lines = path.read_bytes().split(b"\n")
+    lines = data.split(b"\n")
     if lines and lines[-1] == b"":
         lines.pop()  # the final newline ends the last line, it does not start another
     decoded = []
@@ -82,7 +86,7 @@ def read_lines(path: str | PathLike[str]) -> list[str]:
             decoded.append(raw.decode("utf-8").rstrip())
         except UnicodeDecodeError as error:
             raise ValueError(
-                f"{path}: line {number} is not valid UTF-8 (byte 0x{raw[error.start]:02x} at column {error.start + 1})"
+                f"{name}: line {number} is not valid UTF-8 (byte 0x{raw[error.start]:02x} at column {error.start + 1})"
             ) from None
     return decoded
 

@@ -6,8 +6,8 @@
   the label smoothing of Section 5.4; :class:`VaswaniTrainer` puts both, Adam (0.9, 0.98, 1e-9) and the
   token budget together.
 - :func:`load_run_config` reads a ``configs/train/*.yaml`` run config; :func:`train` runs it, resumably.
-- :func:`average_checkpoints` averages the last checkpoints (Section 6.1); :func:`translate` decodes with
-  a saved model; :func:`training_flops` counts a step's cost; :func:`plot_curves` draws the curves.
+- :func:`average_checkpoints` averages the last checkpoints (Section 6.1); :func:`training_flops` counts
+  a step's cost; :func:`plot_curves` draws the curves. Decoding a saved model is ``vaswani_tx.translation``.
 
 Departures, each for a stated reason: the schedule is evaluated at ``updates_done + 1`` so the first
 update uses step 1 (a plain ``LambdaLR`` would use step 0, rate 0); the loss is normalised by the
@@ -774,31 +774,6 @@ def _save_final(trainer: VaswaniTrainer) -> None:
         history = trainer.state.log_history
         (output_dir / "log_history.json").write_text(json.dumps(history, indent=1) + "\n", encoding="utf-8")
         plot_curves(history, output_dir / "curves.png")
-
-
-def translate(
-    model_dir: str | os.PathLike, sentences: Sequence[str], num_beams: int | None = None, batch_size: int = 64
-) -> list[str]:
-    """Translate with a saved model folder and its tokenizer, with the paper's decoding (Section 6.1).
-
-    Sentences are batched in length order (less padding) and returned in input order.
-    """
-    from vaswani_tx.modeling_vaswani import VaswaniForConditionalGeneration
-    from vaswani_tx.tokenization import load_tokenizer
-
-    tokenizer = load_tokenizer(model_dir)
-    model = VaswaniForConditionalGeneration.from_pretrained(model_dir).eval()
-    order = sorted(range(len(sentences)), key=lambda i: len(sentences[i]))
-    outputs: list[str] = [""] * len(sentences)
-    options = {} if num_beams is None else {"num_beams": num_beams}
-    with torch.inference_mode():
-        for start in range(0, len(order), batch_size):
-            indices = order[start : start + batch_size]
-            batch = tokenizer([sentences[i] for i in indices], return_tensors="pt", padding=True)
-            generated = model.generate(**batch, **options)
-            for i, text in zip(indices, tokenizer.batch_decode(generated, skip_special_tokens=True)):
-                outputs[i] = text.strip()
-    return outputs
 
 
 # ---- cost ----

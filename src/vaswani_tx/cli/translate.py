@@ -1,57 +1,74 @@
-"""Translate with a trained model folder and, given references, score it (paper Section 6.1 decoding).
+"""Translate sentences, a file or standard input with a saved model (paper Section 6.1 decoding).
 
-Decoding uses the model's generation config (the paper's beam 4, length penalty 0.6, at most source
-length + 50 tokens) unless --num-beams is given. With --reference the output is scored with sacreBLEU,
-chrF and the paper's tokenized BLEU, and each signature is printed next to its score.
+Decoding follows the model's generation config (the paper's beam 4, length penalty alpha 0.6, at
+most source length + 50 tokens) unless --num-beams / --length-penalty say otherwise. Lines are
+batched by a token budget in length order and written back in input order, one output line per input
+line: empty lines stay empty. A progress bar goes to standard error.
 
 examples:
   vaswani-tx translate runs/multi30k-en-de/averaged "A man rides a bike." "Two dogs play in the snow."
-  vaswani-tx translate MODEL --source val.en --reference val.de --target-lang de --output hyp.de
+  vaswani-tx translate MODEL --input test.en --output test.hyp.de --num-beams 4 --length-penalty 0.6
+  cat test.en | vaswani-tx translate MODEL > test.hyp.de
+  vaswani-tx translate MODEL -i test.en -o hyp.de --device cuda --dtype bfloat16 --max-tokens 8192
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
+
+
+def add_decoding_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options `translate` and `evaluate` share: decoding, batching, device and dtype."""
+    group = parser.add_argument_group("decoding (defaults: the model's generation config, Section 6.1)")
+    group.add_argument("--num-beams", type=int, help="beam size (the paper: 4; 1 is greedy)")
+    group.add_argument("--length-penalty", type=float, metavar="ALPHA",
+                       help="length penalty alpha, GNMT form ((5+|Y|)/6)^alpha (the paper: 0.6)")
+    group.add_argument("--max-length-offset", type=int, metavar="N",
+                       help="stop each output at its source length + N tokens (the paper: 50)")
+    group.add_argument("--max-tokens", type=int, default=4096,
+                       help="padded source tokens per batch (default 4096; memory grows with it times the beam)")
+    group.add_argument("--batch-size", type=int, help="at most this many sentences per batch (default: no limit)")
+    group.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, mps, ... (default: the GPU if any)")
+    group.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
+                       help="weights' dtype for decoding (default: as saved)")
+    group.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
-    parser.add_argument("model", help="a model folder with its tokenizer (e.g. the output of average-checkpoints)")
-    parser.add_argument("sentences", nargs="*", help="sentences to translate (or use --source)")
-    parser.add_argument("--source", help="file of source sentences, one per line")
-    parser.add_argument("--reference", help="file of reference translations, line-aligned with --source: score the output")
-    parser.add_argument("--target-lang", default="de", help="target language code for scoring (default de)")
-    parser.add_argument("--output", help="write the translations to this file")
-    parser.add_argument("--num-beams", type=int, help="beam size (default: the model's generation config, the paper's 4)")
-    parser.add_argument("--batch-size", type=int, default=64, help="sentences per generate() call (default 64)")
+    parser.add_argument("model", help="a model folder with its tokenizer (train, average-checkpoints or save_pretrained output)")
+    parser.add_argument("sentences", nargs="*", help="sentences to translate (otherwise --input or standard input)")
+    parser.add_argument("-i", "--input", "--source", dest="input", metavar="FILE",
+                        help="UTF-8 file of source sentences, one per line ('-': standard input, the default)")
+    parser.add_argument("-o", "--output", metavar="FILE", help="write translations here (default: standard output)")
+    add_decoding_arguments(parser)
+
+
+def decoding_options(args: argparse.Namespace) -> dict:
+    """`Translator.translate` keyword arguments from the shared options."""
+    options = {"num_beams": args.num_beams, "length_penalty": args.length_penalty, "max_tokens": args.max_tokens,
+               "batch_size": args.batch_size, "progress": not args.quiet}
+    if args.max_length_offset is not None:
+        options["max_output_length_offset"] = args.max_length_offset
+    return options
+
+
+def fail(command: str, message: object) -> int:
+    print(f"{command}: error: {message}", file=sys.stderr)
+    return 2
 
 
 def run(args: argparse.Namespace) -> int:
-    from pathlib import Path
+    from vaswani_tx.translation import load_translator, read_text, write_lines
 
-    from vaswani_tx.evaluation import read_lines, score
-    from vaswani_tx.training import translate
-
-    if bool(args.sentences) == bool(args.source):
-        raise SystemExit("translate: give sentences or --source FILE (one of the two)")
-    if args.reference and not args.source:
-        raise SystemExit("translate: --reference needs --source")
-    sources = read_lines(args.source) if args.source else list(args.sentences)
+    if args.sentences and args.input:
+        return fail("translate", "give sentences or --input FILE, not both")
     try:
-        hypotheses = translate(args.model, sources, num_beams=args.num_beams, batch_size=args.batch_size)
+        lines = list(args.sentences) if args.sentences else read_text(args.input)
+        translator = load_translator(args.model, device=args.device, dtype=args.dtype)
+        hypotheses = translator.translate(lines, **decoding_options(args))
     except (FileNotFoundError, ValueError) as err:
-        raise SystemExit(f"translate: {err}") from None
-    if args.output:
-        Path(args.output).write_text("".join(h + "\n" for h in hypotheses), encoding="utf-8")
-    if args.reference:
-        references = read_lines(args.reference)
-        if len(references) != len(hypotheses):
-            raise SystemExit(f"translate: {len(hypotheses)} source lines but {len(references)} reference lines")
-        results = score(hypotheses, references, args.target_lang)
-        print(f"sacreBLEU {results['sacrebleu']:.2f}  {results['sacrebleu_signature']}")
-        print(f"chrF      {results['chrf']:.2f}  {results['chrf_signature']}")
-        print(f"tokenized BLEU {results['tokenized_bleu']:.2f}  {results['tokenized_bleu_signature']}")
-    else:
-        for source, hypothesis in zip(sources, hypotheses):
-            print(f"{source}\n  -> {hypothesis}")
+        return fail("translate", err)
+    write_lines(hypotheses, args.output)
     return 0

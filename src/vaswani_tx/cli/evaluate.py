@@ -1,0 +1,114 @@
+"""Translate a test set with a saved model and score it: sacreBLEU and chrF with their signatures, and
+the paper's tokenized BLEU (Section 6.1), each labelled: the two BLEUs count different tokens and are
+not comparable. Hypotheses and all scores are saved (DIR/NAME.hyp.LANG, DIR/NAME.scores.json).
+
+The test set is a pair of line-aligned files (several --reference files for several references each)
+or WMT14 from the Hugging Face Hub as `datasets` loads it (newstest2014 is split `test`, newstest2013
+`validation`, the paper's dev set).
+
+examples:
+  vaswani-tx evaluate runs/multi30k-en-de/averaged --source val.en --reference val.de
+  vaswani-tx evaluate MODEL --wmt14 en-de --split test --output-dir eval/base
+  vaswani-tx evaluate MODEL -s newstest2013.en -r newstest2013.de --num-beams 1 --device cuda
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+from vaswani_tx.cli.translate import add_decoding_arguments, decoding_options, fail
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.add_argument("model", help="a model folder with its tokenizer (train, average-checkpoints or save_pretrained output)")
+    test_set = parser.add_argument_group("test set (files, or --wmt14)")
+    test_set.add_argument("-s", "--source", metavar="FILE", help="UTF-8 source sentences, one per line")
+    test_set.add_argument("-r", "--reference", metavar="FILE", action="append",
+                          help="UTF-8 references, line-aligned with --source (repeat for several references)")
+    test_set.add_argument("--wmt14", metavar="SRC-TGT", help="WMT14 from the Hub through `datasets`, e.g. en-de or en-fr")
+    test_set.add_argument("--split", default="test", choices=["test", "validation"],
+                          help="WMT14 split: test = newstest2014 (default), validation = newstest2013")
+    scoring = parser.add_argument_group("scoring")
+    scoring.add_argument("--target-lang", help="target language code (default: the reference file's suffix, or --wmt14's)")
+    scoring.add_argument("--compound-splitting", action=argparse.BooleanOptionalAction, default=None,
+                         help="split hyphenated compounds as ##AT##-##AT## for tokenized BLEU (default: for German only)")
+    parser.add_argument("--output-dir", metavar="DIR", default="evaluation",
+                        help="where hypotheses and scores are saved (default: ./evaluation)")
+    parser.add_argument("--name", help="test set name in file names (default: the source file's stem, or newstest2014/2013)")
+    add_decoding_arguments(parser)
+
+
+def _test_set(args: argparse.Namespace) -> tuple[str, str, list[str], list[list[str]]]:
+    """(name, target language, sources, references per sentence) from the arguments."""
+    from vaswani_tx.translation import read_text
+
+    if bool(args.wmt14) == bool(args.source):
+        raise ValueError("give either --source and --reference files or --wmt14 SRC-TGT")
+    if args.wmt14:
+        from vaswani_tx.data import load_wmt14
+
+        source_lang, _, target_lang = args.wmt14.partition("-")
+        data = load_wmt14(source_lang, target_lang, split=args.split)
+        name = {"test": "newstest2014", "validation": "newstest2013"}[args.split]
+        return name, args.target_lang or target_lang, list(data["source"]), [[t] for t in data["target"]]
+    if not args.reference:
+        raise ValueError("--source needs at least one --reference file to score against")
+    sources = read_text(args.source)
+    streams = [read_text(path) for path in args.reference]
+    for path, stream in zip(args.reference, streams):
+        if len(stream) != len(sources):
+            raise ValueError(
+                f"line counts differ: {len(sources)} lines in source file {args.source}, "
+                f"{len(stream)} lines in reference file {path}"
+            )
+    target_lang = args.target_lang or Path(args.reference[0]).suffix.lstrip(".")
+    if not (target_lang.isalpha() and len(target_lang) == 2):  # ISO 639-1, as sacreBLEU and Moses take it
+        raise ValueError(f"cannot tell the target language from {args.reference[0]}: give --target-lang (e.g. de)")
+    name = args.name or Path(args.source).stem
+    return name, target_lang, sources, [list(refs) for refs in zip(*streams)]
+
+
+def run(args: argparse.Namespace) -> int:
+    from vaswani_tx.evaluation import score
+    from vaswani_tx.translation import load_translator, write_lines
+
+    try:
+        name, target_lang, sources, references = _test_set(args)
+        if not sources:
+            raise ValueError("the test set is empty")
+        translator = load_translator(args.model, device=args.device, dtype=args.dtype)
+        start = time.perf_counter()
+        hypotheses = translator.translate(sources, **decoding_options(args))
+        seconds = time.perf_counter() - start
+        results = score(hypotheses, references, target_lang, args.compound_splitting)
+    except (FileNotFoundError, ValueError, ConnectionError) as err:
+        return fail("evaluate", err)
+
+    output_dir = Path(args.output_dir)
+    hypothesis_file = output_dir / f"{name}.hyp.{target_lang}"
+    write_lines(hypotheses, hypothesis_file)
+    generation = translator.model.generation_config
+    settings = {
+        "model": str(args.model), "test_set": name, "sentences": len(sources), "target_lang": target_lang,
+        "num_beams": args.num_beams or generation.num_beams,
+        "length_penalty": args.length_penalty if args.length_penalty is not None else generation.length_penalty,
+        "length_penalty_type": getattr(generation, "length_penalty_type", "hf"),
+        "max_output_length_offset": args.max_length_offset if args.max_length_offset is not None
+        else getattr(generation, "max_output_length_offset", None),
+        "device": str(translator.device), "dtype": str(translator.model.dtype).removeprefix("torch."),
+        "decoding_seconds": round(seconds, 2), "hypotheses": str(hypothesis_file),
+    }
+    scores_file = output_dir / f"{name}.scores.json"
+    scores_file.write_text(json.dumps({**settings, **results}, indent=1, default=float) + "\n", encoding="utf-8")
+    print(f"{name}: {len(sources)} sentences, {settings['num_beams']} beams, alpha {settings['length_penalty']}, "
+          f"{seconds:.1f} s")
+    print(f"sacreBLEU      {results['sacrebleu']:6.2f}  {results['sacrebleu_signature']}")
+    print(f"chrF           {results['chrf']:6.2f}  {results['chrf_signature']}")
+    print(f"tokenized BLEU {results['tokenized_bleu']:6.2f}  {results['tokenized_bleu_signature']}  "
+          "(the paper's Table 2 kind; not comparable with sacreBLEU)")
+    print(f"hypotheses: {hypothesis_file}\nscores: {scores_file}")
+    return 0

@@ -1,0 +1,280 @@
+"""Translating text and files with a saved model, the paper's way (Section 6.1), as fast as batching allows.
+
+The library side of ``vaswani-tx translate`` and ``vaswani-tx evaluate``:
+
+* ``load_translator(folder, device, dtype)`` loads any ``from_pretrained`` folder of this package (a
+  training run's output, an averaged checkpoint, a hub download) with its tokenizer, and refuses with
+  a clear message a folder that is not a model, a model of another type, truncated weights or a
+  tokenizer whose ids do not fit the model.
+* ``Translator.translate(lines)`` decodes with the model's ``generation_config`` (beam 4, length
+  penalty alpha 0.6 in the GNMT form, at most source length + 50 tokens), any of which can be
+  overridden. Lines are batched by a token budget in length order, as Marian and fairseq do, so
+  little compute goes to padding, and come back in input order. Empty lines stay empty (the model
+  never sees them) and every output is one line: the count and order of lines never change.
+* ``read_text(path)`` reads a file or standard input as the ``sacrebleu`` command does (lines end at
+  ``\\n`` only; non-UTF-8 input is refused naming the line).
+
+This module imports the model, not the training code.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from vaswani_tx.evaluation import decode_lines, read_lines
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
+
+# Characters str.splitlines() treats as line ends: a hypothesis holding one would shift every later line.
+_LINE_BREAKS = re.compile("[\n\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029]")
+
+
+def read_text(path: str | os.PathLike | None) -> list[str]:
+    """Lines of a UTF-8 file, or of standard input for ``None`` or ``"-"`` (see ``evaluation.read_lines``)."""
+    if path is None or str(path) == "-":
+        return decode_lines(sys.stdin.buffer.read(), "<stdin>")
+    return read_lines(path)
+
+
+def one_line(text: str) -> str:
+    """A hypothesis as exactly one output line: inner line breaks become spaces, outer whitespace goes."""
+    return _LINE_BREAKS.sub(" ", text).strip()
+
+
+def plan_batches(lengths: Sequence[int], max_tokens: int, max_sentences: int | None = None) -> list[list[int]]:
+    """Group indices into batches of at most ``max_tokens`` padded source tokens, longest first.
+
+    Sorting by length keeps padding small; the longest batch comes first so that running out of
+    memory shows at once rather than after an hour. A sentence longer than the budget gets a batch of
+    its own (decoding never drops a line, unlike training's sampler). Ties keep input order.
+    """
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
+    if max_sentences is not None and max_sentences < 1:
+        raise ValueError(f"max_sentences (batch size) must be at least 1, got {max_sentences}")
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    batches: list[list[int]] = []
+    current: list[int] = []
+    for index in order:
+        # lengths only fall along the order, so the batch's first sentence is its longest
+        longest = lengths[current[0]] if current else lengths[index]
+        full = max_sentences is not None and len(current) >= max_sentences
+        if current and (full or longest * (len(current) + 1) > max_tokens):
+            batches.append(current)
+            current = []
+        current.append(index)
+    if current:
+        batches.append(current)
+    return batches
+
+
+def check_tokenizer_fits_model(tokenizer: Any, config: Any, folder: str | os.PathLike = "") -> None:
+    """Refuse a tokenizer whose ids the model cannot read or whose special tokens differ from the model's.
+
+    A tokenizer larger than the embedding would index past it; a different ``</s>`` or ``<pad>`` id
+    means the pair was not trained together and decoding would never stop where it should.
+    """
+    where = f"{folder}: " if folder else ""
+    clashes = []
+    if len(tokenizer) > config.vocab_size:
+        clashes.append(f"the tokenizer has {len(tokenizer)} tokens but the model's embedding only {config.vocab_size}")
+    for field in ("eos_token_id", "pad_token_id"):
+        if getattr(tokenizer, field) != getattr(config, field):
+            clashes.append(f"{field}: tokenizer {getattr(tokenizer, field)}, model {getattr(config, field)}")
+    if clashes:
+        raise ValueError(f"{where}tokenizer and model do not belong together: " + "; ".join(clashes))
+
+
+def _check_model_folder(folder: Path) -> None:
+    if not folder.is_dir():
+        raise FileNotFoundError(f"model folder {folder} does not exist")
+    config_file = folder / "config.json"
+    if not config_file.is_file():
+        raise ValueError(
+            f"{folder} is not a model folder: it has no config.json (give the output of save_pretrained, "
+            "`vaswani-tx train` or `vaswani-tx average-checkpoints`)"
+        )
+    try:
+        model_type = json.loads(config_file.read_text(encoding="utf-8")).get("model_type")
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as err:
+        raise ValueError(f"{config_file} is not a valid JSON config ({err})") from None
+    if model_type != "vaswani":
+        raise ValueError(
+            f"{folder} holds a model of type {model_type!r}, not a vaswani_tx model ('vaswani'): "
+            f"convert it first (`vaswani-tx convert {folder} OUT`)"
+        )
+    if not any((folder / name).is_file() for name in WEIGHT_FILES):
+        raise ValueError(f"{folder} has a config but no weights ({' or '.join(WEIGHT_FILES)})")
+    if (folder / WEIGHT_FILES[0]).is_file():
+        from vaswani_tx.training import CheckpointError, _check_safetensors
+
+        try:
+            _check_safetensors(folder / WEIGHT_FILES[0])
+        except CheckpointError as err:
+            raise ValueError(str(err)) from None
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    """``None`` or ``"auto"``: the GPU when there is one, else the CPU."""
+    if device is None or str(device) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        return torch.device(device)
+    except RuntimeError as err:
+        raise ValueError(f"unknown device {device!r} ({err})") from None
+
+
+def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+@dataclass
+class Translator:
+    """A model and its tokenizer, ready to translate lines in batches (see the module docstring)."""
+
+    model: Any
+    tokenizer: Any
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
+
+    def translate(
+        self,
+        lines: Sequence[str],
+        *,
+        num_beams: int | None = None,
+        length_penalty: float | None = None,
+        max_tokens: int = 4096,
+        batch_size: int | None = None,
+        progress: bool = False,
+        **generate_kwargs: Any,
+    ) -> list[str]:
+        """One translation per line, in input order; empty or blank lines give empty lines.
+
+        ``num_beams`` and ``length_penalty`` (alpha) default to the model's generation config (the
+        paper's 4 and 0.6); other keyword arguments go to ``generate``. ``max_tokens`` bounds the
+        padded source tokens of a batch (memory grows with it times the beam), ``batch_size`` its
+        sentences. ``progress`` shows a tqdm bar on standard error, counted in lines.
+        """
+        from tqdm.auto import tqdm
+
+        if num_beams is not None:
+            generate_kwargs["num_beams"] = num_beams
+        if length_penalty is not None:
+            generate_kwargs["length_penalty"] = length_penalty
+        outputs = [""] * len(lines)
+        todo = [i for i, line in enumerate(lines) if line.strip()]
+        encoded = self.tokenizer([lines[i] for i in todo], add_special_tokens=True)["input_ids"]
+        self._check_lengths(todo, encoded)
+        batches = plan_batches([len(ids) for ids in encoded], max_tokens, batch_size)
+        bar = tqdm(total=len(lines), unit="line", desc="Translating", disable=not progress, file=sys.stderr)
+        bar.update(len(lines) - len(todo))
+        pad = self.tokenizer.pad_token_id
+        with torch.inference_mode():
+            for batch in batches:
+                width = max(len(encoded[b]) for b in batch)
+                input_ids = torch.full((len(batch), width), pad, dtype=torch.long)
+                for row, b in enumerate(batch):
+                    input_ids[row, : len(encoded[b])] = torch.tensor(encoded[b])
+                attention_mask = input_ids.ne(pad).long()
+                generated = self.model.generate(
+                    input_ids=input_ids.to(self.device), attention_mask=attention_mask.to(self.device), **generate_kwargs
+                )
+                texts = self.tokenizer.batch_decode(generated, skip_special_tokens=True)
+                for b, text in zip(batch, texts):
+                    outputs[todo[b]] = one_line(text)
+                bar.update(len(batch))
+        bar.close()
+        return outputs
+
+    def _check_lengths(self, todo: list[int], encoded: list[list[int]]) -> None:
+        config = self.model.config
+        if getattr(config, "position_encoding", "sinusoidal") != "learned":
+            return  # sinusoids extend to any length (Section 3.5)
+        for index, ids in zip(todo, encoded):
+            if len(ids) > config.max_position_embeddings:
+                raise ValueError(
+                    f"line {index + 1} is {len(ids)} tokens long, more than this model's learned positions "
+                    f"allow (max_position_embeddings={config.max_position_embeddings}): split or shorten it"
+                )
+
+
+def load_translator(
+    folder: str | os.PathLike, device: str | torch.device | None = "cpu", dtype: str | torch.dtype | None = None
+) -> Translator:
+    """Load a saved model folder and its tokenizer for translation (``device="auto"`` picks the GPU if any).
+
+    Raises:
+        FileNotFoundError: the folder does not exist.
+        ValueError: not a model folder, a model of another type, truncated weights, no usable
+            tokenizer, or a tokenizer that does not fit the model; each message names the problem.
+    """
+    from transformers import AutoTokenizer
+
+    from vaswani_tx.modeling_vaswani import VaswaniForConditionalGeneration
+
+    folder = Path(folder)
+    _check_model_folder(folder)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+    except (OSError, ValueError, TypeError) as err:
+        raise ValueError(
+            f"{folder} holds no tokenizer that AutoTokenizer can load ({err}); save the tokenizer next to "
+            "the weights (tokenizer.save_pretrained(folder))"
+        ) from None
+    model = VaswaniForConditionalGeneration.from_pretrained(folder, dtype=resolve_dtype(dtype))
+    check_tokenizer_fits_model(tokenizer, model.config, folder)
+    return Translator(model.to(resolve_device(device)).eval(), tokenizer)
+
+
+def translate(
+    model_dir: str | os.PathLike,
+    sentences: Sequence[str],
+    num_beams: int | None = None,
+    batch_size: int | None = None,
+    **kwargs: Any,
+) -> list[str]:
+    """Translate ``sentences`` with a saved model folder: ``load_translator(model_dir).translate(...)``."""
+    return load_translator(model_dir).translate(sentences, num_beams=num_beams, batch_size=batch_size, **kwargs)
+
+
+def write_lines(lines: Iterable[str], path: str | os.PathLike | None) -> None:
+    """Write one line each to a file (through a temporary file, so an interrupted run leaves no half
+    output behind) or to standard output for ``None`` or ``"-"``."""
+    text = "".join(f"{line}\n" for line in lines)
+    if path is None or str(path) == "-":
+        sys.stdout.write(text)
+        sys.stdout.flush()
+        return
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(text, encoding="utf-8")
+    partial.replace(path)
+
+
+__all__ = [
+    "Translator",
+    "check_tokenizer_fits_model",
+    "load_translator",
+    "one_line",
+    "plan_batches",
+    "read_text",
+    "translate",
+    "write_lines",
+]

@@ -1,0 +1,222 @@
+"""`vaswani-tx translate` / `evaluate` and `vaswani_tx.translation`: batching, order, empty lines, bad input."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from vaswani_tx import VaswaniConfig, VaswaniForConditionalGeneration
+from vaswani_tx.cli import main as cli_main
+from vaswani_tx.translation import load_translator, one_line, plan_batches, translate
+
+REPO = Path(__file__).resolve().parents[1]
+LINES = [
+    "Ein Hund läuft über die Wiese.",
+    "",
+    "Zwei Männer spielen Fußball in einem Park neben einem Fluss.",
+    "   ",
+    "Eine Frau liest.",
+    "Ein Kind\u2028mit einem Ball.",  # U+2028 inside a line: still one line
+    "Ein Mann.",
+]
+
+
+@pytest.fixture(scope="module")
+def translator(tiny_translator):
+    folder, _, _ = tiny_translator
+    return load_translator(folder)
+
+
+def greedy(translator, lines, **kwargs):
+    # a random model never says </s>: a short cap (source + 4 tokens) keeps these tests fast
+    return translator.translate(lines, num_beams=1, max_output_length_offset=4, **kwargs)
+
+
+def test_plan_batches_covers_every_line_once_within_the_budget():
+    lengths = [5, 1, 9, 9, 3, 30, 2, 7, 7, 4]
+    for max_tokens, max_sentences in [(10, None), (20, 2), (1, None), (1000, 3), (1000, None)]:
+        batches = plan_batches(lengths, max_tokens, max_sentences)
+        assert sorted(i for batch in batches for i in batch) == list(range(len(lengths)))
+        for batch in batches:
+            padded = max(lengths[i] for i in batch) * len(batch)
+            assert padded <= max_tokens or len(batch) == 1  # an over-long line gets a batch of its own
+            assert max_sentences is None or len(batch) <= max_sentences
+        longest = [max(lengths[i] for i in batch) for batch in batches]
+        assert longest == sorted(longest, reverse=True)  # longest first: out-of-memory shows at once
+    with pytest.raises(ValueError, match="max_tokens"):
+        plan_batches(lengths, 0)
+
+
+def test_outputs_keep_input_order_and_line_count_whatever_the_batching(translator):
+    one_by_one = greedy(translator, LINES, max_tokens=1)
+    assert len(one_by_one) == len(LINES)
+    assert one_by_one[1] == "" and one_by_one[3] == ""
+    assert all(text for i, text in enumerate(one_by_one) if LINES[i].strip())
+    assert greedy(translator, LINES) == one_by_one
+    assert greedy(translator, LINES, max_tokens=40, batch_size=2) == one_by_one
+    assert greedy(translator, LINES[::-1]) == one_by_one[::-1]
+
+
+def test_translations_equal_generate_with_the_models_defaults(tiny_translator, translator):
+    _, model, tokenizer = tiny_translator
+    sentences = [line for line in LINES if line.strip()][:2]
+    expected = []
+    for sentence in sentences:  # beam 4, alpha 0.6 GNMT: the saved generation config (a short cap for speed)
+        output = model.generate(**tokenizer([sentence], return_tensors="pt"), max_output_length_offset=4)
+        expected.append(tokenizer.decode(output[0], skip_special_tokens=True).strip())
+    assert translator.translate(sentences, max_output_length_offset=4) == expected
+    assert translate(tiny_translator[0], sentences, max_output_length_offset=4) == expected
+
+
+def test_one_line_never_lets_a_hypothesis_break_the_line_count():
+    assert one_line(" a\nb\r\nc\u2028d\u0085e ") == "a b  c d e"
+
+
+def test_bfloat16_decoding_loads_in_that_dtype(tiny_translator):
+    bf16 = load_translator(tiny_translator[0], device="cpu", dtype="bfloat16")
+    assert bf16.model.dtype == torch.bfloat16
+    outputs = greedy(bf16, LINES)
+    assert len(outputs) == len(LINES) and outputs[1] == ""
+    with pytest.raises(ValueError, match="dtype 'float8'"):
+        load_translator(tiny_translator[0], dtype="float8")
+
+
+def test_translate_command_file_to_file_and_stdin_to_stdout(tiny_translator, translator, tmp_path, capsys, monkeypatch):
+    folder = str(tiny_translator[0])
+    source = tmp_path / "in.de"
+    source.write_text("".join(line + "\n" for line in LINES), encoding="utf-8")
+    expected = greedy(translator, LINES)
+    assert cli_main(["translate", folder, "-i", str(source), "-o", str(tmp_path / "out.en"), "--num-beams", "1", "--max-length-offset", "4",
+                     "--max-tokens", "16", "--quiet"]) == 0
+    assert (tmp_path / "out.en").read_text(encoding="utf-8") == "".join(line + "\n" for line in expected)
+
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(source.read_bytes()), encoding="utf-8"))
+    capsys.readouterr()
+    assert cli_main(["translate", folder, "--num-beams", "1", "--max-length-offset", "4", "--batch-size", "3", "--quiet"]) == 0
+    assert capsys.readouterr().out.split("\n")[:-1] == expected
+
+
+def test_beam_and_alpha_reach_generate(tiny_translator, translator, capsys):
+    _, model, tokenizer = tiny_translator
+    sentence = LINES[2]
+    output = model.generate(**tokenizer([sentence], return_tensors="pt"), num_beams=3, length_penalty=1.5)
+    assert cli_main(["translate", str(tiny_translator[0]), sentence, "--num-beams", "3", "--length-penalty", "1.5",
+                     "--quiet"]) == 0
+    assert capsys.readouterr().out == tokenizer.decode(output[0], skip_special_tokens=True).strip() + "\n"
+
+
+def test_translate_in_a_fresh_process_pipes_stdin_to_stdout(tiny_translator, translator):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    source = "".join(line + "\n" for line in LINES).encode()
+    done = subprocess.run([sys.executable, "-m", "vaswani_tx.cli", "translate", str(tiny_translator[0]),
+                           "--num-beams", "1", "--max-length-offset", "4", "--device", "cpu"], input=source, capture_output=True, env=env,
+                          cwd=REPO, timeout=300)
+    assert done.returncode == 0, done.stderr.decode()[-2000:]
+    assert done.stdout.decode().split("\n")[:-1] == greedy(translator, LINES)
+    assert "Translating" in done.stderr.decode()  # the progress bar goes to stderr, not into the output
+
+
+def test_non_utf8_input_is_refused_naming_the_line(tiny_translator, tmp_path, capsys):
+    source = tmp_path / "latin1.de"
+    source.write_bytes("Ein Hund.\nEine Stra\u00dfe.\n".encode("latin-1"))
+    assert cli_main(["translate", str(tiny_translator[0]), "-i", str(source), "--quiet"]) == 2
+    assert "line 2 is not valid UTF-8 (byte 0xdf" in capsys.readouterr().err
+
+
+def test_folders_that_are_not_a_usable_model_are_refused_clearly(tiny_translator, tmp_path, capsys):
+    folder = tiny_translator[0]
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(ValueError, match="not a model folder: it has no config.json"):
+        load_translator(empty)
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_translator(tmp_path / "missing")
+    marian = tmp_path / "marian"
+    marian.mkdir()
+    (marian / "config.json").write_text(json.dumps({"model_type": "marian"}))
+    with pytest.raises(ValueError, match="type 'marian', not a vaswani_tx model"):
+        load_translator(marian)
+    no_weights = tmp_path / "no-weights"
+    no_weights.mkdir()
+    shutil.copy(folder / "config.json", no_weights)
+    with pytest.raises(ValueError, match="no weights"):
+        load_translator(no_weights)
+    truncated = tmp_path / "truncated"
+    shutil.copytree(folder, truncated)
+    data = (truncated / "model.safetensors").read_bytes()
+    (truncated / "model.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(ValueError, match="safetensors"):
+        load_translator(truncated)
+    no_tokenizer = tmp_path / "no-tokenizer"
+    shutil.copytree(folder, no_tokenizer, ignore=shutil.ignore_patterns("tokenizer*", "special_tokens*"))
+    with pytest.raises(ValueError, match="no tokenizer"):
+        load_translator(no_tokenizer)
+    assert cli_main(["translate", str(empty), "Ein Hund."]) == 2
+    assert "translate: error:" in capsys.readouterr().err
+
+
+def test_a_tokenizer_that_does_not_fit_the_model_is_refused(tiny_translator, tmp_path):
+    _, _, tokenizer = tiny_translator
+    for name, overrides, message in [
+        ("small", {"vocab_size": len(tokenizer) - 100}, f"tokenizer has {len(tokenizer)} tokens but the model's"),
+        ("eos", {"vocab_size": len(tokenizer), "eos_token_id": 4}, "eos_token_id: tokenizer 3, model 4"),
+    ]:
+        folder = tmp_path / name
+        VaswaniForConditionalGeneration(VaswaniConfig(
+            d_model=16, num_heads=2, d_ff=24, num_encoder_layers=1, num_decoder_layers=1, **overrides
+        )).save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+        with pytest.raises(ValueError, match=message):
+            load_translator(folder)
+
+
+@pytest.fixture(scope="module")
+def test_set(tiny_translator, tmp_path_factory, shared_data):
+    """The first 12 lines of Multi30k val, with the model's folder."""
+    folder = tmp_path_factory.mktemp("test-set")
+    for lang in ("en", "de"):
+        lines = (shared_data / "multi30k-en-de" / f"val.{lang}").read_text(encoding="utf-8").splitlines()[:12]
+        (folder / f"val.{lang}").write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+    return folder
+
+
+def test_evaluate_translates_scores_and_saves(tiny_translator, translator, test_set, tmp_path, capsys):
+    from vaswani_tx.evaluation import read_lines, score
+
+    out = tmp_path / "eval"
+    assert cli_main(["evaluate", str(tiny_translator[0]), "-s", str(test_set / "val.en"), "-r", str(test_set / "val.de"),
+                     "--num-beams", "1", "--max-length-offset", "4", "--output-dir", str(out), "--quiet"]) == 0
+    printed = capsys.readouterr().out
+    hypotheses = read_lines(out / "val.hyp.de")
+    assert hypotheses == greedy(translator, read_lines(test_set / "val.en"))
+    expected = score(hypotheses, read_lines(test_set / "val.de"), "de")
+    saved = json.loads((out / "val.scores.json").read_text())
+    assert saved["sacrebleu"] == pytest.approx(expected["sacrebleu"])
+    assert saved["sacrebleu_signature"] == expected["sacrebleu_signature"]
+    assert saved["num_beams"] == 1 and saved["target_lang"] == "de" and saved["sentences"] == 12
+    assert f"{expected['sacrebleu']:6.2f}  nrefs:1|case:mixed|eff:no|tok:13a" in printed
+    assert "tokenized BLEU" in printed and "chrF" in printed
+
+
+def test_evaluate_refuses_misaligned_or_unlabelled_test_sets(tiny_translator, test_set, tmp_path, capsys):
+    short = tmp_path / "short.de"
+    short.write_text("Ein Hund.\n", encoding="utf-8")
+    model = str(tiny_translator[0])
+    assert cli_main(["evaluate", model, "-s", str(test_set / "val.en"), "-r", str(short)]) == 2
+    err = capsys.readouterr().err
+    assert "12 lines in source file" in err and f"1 lines in reference file {short}" in err
+    unlabelled = tmp_path / "references.txt"
+    shutil.copy(test_set / "val.de", unlabelled)
+    assert cli_main(["evaluate", model, "-s", str(test_set / "val.en"), "-r", str(unlabelled),
+                     "--output-dir", str(tmp_path)]) == 2
+    assert "give --target-lang" in capsys.readouterr().err
+    assert cli_main(["evaluate", model, "-s", str(test_set / "val.en")]) == 2
+    assert "at least one --reference" in capsys.readouterr().err
