@@ -220,3 +220,21 @@ def test_evaluate_refuses_misaligned_or_unlabelled_test_sets(tiny_translator, te
     assert "give --target-lang" in capsys.readouterr().err
     assert cli_main(["evaluate", model, "-s", str(test_set / "val.en")]) == 2
     assert "at least one --reference" in capsys.readouterr().err
+
+
+def test_evaluate_takes_wmt14_through_datasets(tiny_translator, tmp_path, monkeypatch, capsys):
+    import datasets
+
+    calls = []
+
+    def fake_load_wmt14(source_lang, target_lang, split):  # the hub is unreachable here; the call is what counts
+        calls.append((source_lang, target_lang, split))
+        return datasets.Dataset.from_dict({"source": ["A dog runs.", "Two men."], "target": ["Ein Hund.", "Zwei Männer."]})
+
+    monkeypatch.setattr("vaswani_tx.data.load_wmt14", fake_load_wmt14)
+    assert cli_main(["evaluate", str(tiny_translator[0]), "--wmt14", "en-de", "--num-beams", "1", "--max-length-offset",
+                     "2", "--output-dir", str(tmp_path), "--quiet"]) == 0
+    assert calls == [("en", "de", "test")]
+    assert len((tmp_path / "newstest2014.hyp.de").read_text(encoding="utf-8").splitlines()) == 2
+    assert json.loads((tmp_path / "newstest2014.scores.json").read_text())["test_set"] == "newstest2014"
+    assert "newstest2014: 2 sentences, 1 beams" in capsys.readouterr().out
