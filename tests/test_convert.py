@@ -12,6 +12,7 @@ import json
 import os
 import re
 
+import numpy
 import pytest
 import torch
 from transformers import (
@@ -251,7 +252,7 @@ def _write_fairseq(fsmt: FSMTForConditionalGeneration, path, *, layout: str = "a
     values.update(settings)
     checkpoint = {"model": model, "optimizer_history": [{"criterion_name": "LabelSmoothedCrossEntropyCriterion",
                                                          "optimizer_name": "FairseqAdam", "num_updates": 300000}],
-                  "extra_state": {"epoch": 40, "val_loss": 3.9}, "last_optimizer_state": None}
+                  "extra_state": {"epoch": 40, "val_loss": numpy.float64(3.9)}, "last_optimizer_state": None}
     if layout == "args":
         checkpoint["args"] = argparse.Namespace(**values)
     else:  # fairseq >= 0.10: a plain-dict cfg with model and task sections

@@ -4,8 +4,9 @@ A fairseq checkpoint (`checkpoint_best.pt`, `model.pt`) is a torch pickle holdin
 dict), the training settings (`args`, an `argparse.Namespace`, in checkpoints before fairseq 0.10;
 `cfg`, a plain dict, after) and training state. A pickle can import and call anything, so it is read
 with torch's restricted unpickler (`torch.load(weights_only=True)`), which rebuilds tensors and plain
-containers only; the one class allowed beyond those is `argparse.Namespace`, which holds data and
-runs no code. Anything else the file tries to import is refused before it is imported.
+containers only; allowed beyond those are `argparse.Namespace` and numpy scalars and their dtypes
+(fairseq keeps losses as numpy floats in `extra_state`), which hold data and run no code. Anything
+else the file tries to import is refused before it is imported.
 
 `dict.<lang>.txt` files list one `token count` per line; fairseq puts its four specials first:
 `<s>`=0, `<pad>`=1, `</s>`=2, `<unk>`=3.
@@ -48,7 +49,7 @@ def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     if not path.is_file():
         raise CheckpointError(f"{path}: no such checkpoint file")
     try:
-        with torch.serialization.safe_globals([argparse.Namespace]):
+        with torch.serialization.safe_globals(_allowed_globals()):
             checkpoint = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as err:
         if "unsupported global" not in str(err).lower():  # not a refused import: the bytes themselves are bad
@@ -62,6 +63,16 @@ def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     if not isinstance(checkpoint, dict) or not isinstance(checkpoint.get("model"), dict):
         raise CheckpointError(f"{path}: not a fairseq checkpoint (no 'model' state dict at the top level)")
     return checkpoint
+
+
+def _allowed_globals() -> list:
+    """argparse.Namespace, and numpy's scalar constructor and dtypes under their numpy 1 and 2 names."""
+    import numpy
+
+    scalar = numpy._core.multiarray.scalar if hasattr(numpy, "_core") else numpy.core.multiarray.scalar
+    dtypes = [type(numpy.dtype(name)) for name in ("float16", "float32", "float64", "int32", "int64", "bool")]
+    return [argparse.Namespace, numpy.dtype, *dtypes, (scalar, "numpy.core.multiarray.scalar"),
+            (scalar, "numpy._core.multiarray.scalar")]
 
 
 def checkpoint_settings(checkpoint: dict[str, Any], path: str | os.PathLike = "checkpoint") -> dict[str, Any]:
