@@ -30,7 +30,7 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         out = convert(args.source, args.out)
-    except ValueError as err:  # ConversionError, CheckpointError, VaswaniConfig's own checks
+    except (ValueError, OSError) as err:  # ConversionError, CheckpointError, VaswaniConfig's checks, unreadable files
         print(f"error: {err}", file=sys.stderr)
         return 2
     print(f"converted {args.source} -> {out}")
