@@ -15,10 +15,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoConfig, AutoModel, AutoModelForSeq2SeqLM, MarianConfig, MarianMTModel
+from transformers import AutoConfig, AutoModel, AutoModelForSeq2SeqLM
 
 import vaswani_tx
 from vaswani_tx import GNMTLengthPenalty, VaswaniConfig, VaswaniForConditionalGeneration, VaswaniModel
+from vaswani_tx.convert import vaswani_to_marian
 from vaswani_tx.modeling_vaswani import sinusoidal_table
 from vaswani_tx.paper import ALL_MODEL_CONFIGS, PAPER_VOCAB_SIZE, TABLE3, TOLERANCE_MILLIONS, model_config_overrides
 from vaswani_tx.params import count_parameters, load_model_config
@@ -268,60 +269,9 @@ def test_params_command_prints_every_config():
 # --- MarianMTModel equivalence: no silent departure --------------------------------------------------------------
 
 
-def marian_hidden_permutation(d_model: int) -> torch.Tensor:
-    """Marian lays sinusoids out as [sin_0..sin_{D/2-1}, cos_0..cos_{D/2-1}]; ours interleave sin/cos.
-    Marian's dimension j holds our dimension perm[j]."""
-    half = torch.arange(d_model // 2)
-    return torch.cat([2 * half, 2 * half + 1])
-
-
-def to_marian(model: VaswaniForConditionalGeneration) -> MarianMTModel:
-    c = model.config
-    marian = MarianMTModel(MarianConfig(
-        vocab_size=c.vocab_size, decoder_vocab_size=c.vocab_size, d_model=c.d_model, encoder_layers=c.num_encoder_layers,
-        decoder_layers=c.num_decoder_layers, encoder_attention_heads=c.num_heads, decoder_attention_heads=c.num_heads,
-        encoder_ffn_dim=c.d_ff, decoder_ffn_dim=c.d_ff, activation_function="relu", scale_embedding=True,
-        dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, pad_token_id=c.pad_token_id,
-        eos_token_id=c.eos_token_id, decoder_start_token_id=c.decoder_start_token_id, max_position_embeddings=512,
-        share_encoder_decoder_embeddings=True, tie_word_embeddings=True,
-    )).eval()
-    perm = marian_hidden_permutation(c.d_model)
-    ours = model.state_dict()
-    theirs = {"model.shared.weight": ours["model.shared.weight"][:, perm]}
-    names = {"self_attn": "self_attn", "cross_attn": "encoder_attn"}
-    norms = {"self_attn_norm": "self_attn_layer_norm", "cross_attn_norm": "encoder_attn_layer_norm",
-             "feed_forward_norm": "final_layer_norm"}
-    for key, value in ours.items():
-        parts = key.split(".")
-        if parts[1] not in ("encoder", "decoder") or parts[2] != "layers":
-            continue
-        prefix = f"model.{parts[1]}.layers.{parts[3]}"
-        module, rest = parts[4], parts[5:]
-        if module in names:  # attention: inputs read the hidden state, out_proj writes it
-            proj = rest[0]
-            target = f"{prefix}.{names[module]}.{proj}"
-            theirs[f"{target}.weight"] = value[perm, :] if proj == "out_proj" else value[:, perm]
-            theirs[f"{target}.bias"] = torch.zeros(value.shape[0])
-        elif module in norms:
-            theirs[f"{prefix}.{norms[module]}.{rest[0]}"] = value[perm]
-        elif module == "feed_forward":
-            fc = {"w_1": "fc1", "w_2": "fc2"}[rest[0]]
-            if fc == "fc1":
-                theirs[f"{prefix}.fc1.{rest[1]}"] = value[:, perm] if rest[1] == "weight" else value
-            else:
-                theirs[f"{prefix}.fc2.{rest[1]}"] = value[perm, :] if rest[1] == "weight" else value[perm]
-    missing, unexpected = marian.load_state_dict(theirs, strict=False)
-    assert not unexpected
-    assert set(missing) <= {"final_logits_bias", "lm_head.weight", "model.encoder.embed_tokens.weight",
-                            "model.decoder.embed_tokens.weight", "model.encoder.embed_positions.weight",
-                            "model.decoder.embed_positions.weight"}, missing
-    marian.tie_weights()
-    return marian
-
-
 def test_logits_equal_marian_with_permuted_weights():
     model = tiny_model(num_encoder_layers=2, num_decoder_layers=2)
-    marian = to_marian(model)
+    marian = vaswani_to_marian(model)  # the package's exporter: weights permuted to Marian's sin/cos layout
     assert marian.lm_head.weight.data_ptr() == marian.model.shared.weight.data_ptr()
     ids, mask = batch()
     target = torch.randint(4, 61, (3, 8))

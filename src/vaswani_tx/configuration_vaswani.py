@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from transformers import PreTrainedConfig
 
-POSITION_ENCODINGS = ("sinusoidal", "learned")
+POSITION_ENCODINGS = ("sinusoidal", "learned", "fairseq_sinusoidal")
+ACTIVATION_FUNCTIONS = ("relu", "swish")
 
 
 class VaswaniConfig(PreTrainedConfig):
@@ -30,6 +31,9 @@ class VaswaniConfig(PreTrainedConfig):
         attention_dropout: dropout on attention weights. 0 as in the paper (the tensor2tensor code had it as an option).
         activation_dropout: dropout after the FFN's ReLU. 0 as in the paper.
         position_encoding: `"sinusoidal"` (Section 3.5) or `"learned"` (Table 3 row E).
+            `"fairseq_sinusoidal"` is for converted fairseq/FSMT checkpoints: frequencies
+            10000^(-i/(D/2 - 1)) instead of 10000^(-i/(D/2)), positions counted from `pad_token_id + 1`
+            (the sin-half/cos-half layout is removed by permuting weights at conversion, not by an option).
         max_position_embeddings: number of learned positions; used only with `position_encoding="learned"`
             (sinusoids work for any length).
         tie_word_embeddings: one matrix for source embedding, target embedding and the pre-softmax
@@ -37,7 +41,19 @@ class VaswaniConfig(PreTrainedConfig):
         scale_embedding: multiply embeddings by sqrt(d_model) (Section 3.4).
         layer_norm_eps: LayerNorm epsilon. The paper gives none; 1e-5 is PyTorch's, fairseq's and Marian's.
         pad_token_id, bos_token_id, eos_token_id, decoder_start_token_id: special ids of the shared vocabulary
-            (the package's tokenizers use `<pad>`=0, `<unk>`=1, `<s>`=2, `</s>`=3; the decoder starts from `<s>`).
+            (the package's tokenizers use `<pad>`=0, `<unk>`=1, `<s>`=2, `</s>`=3; the decoder starts from `<s>`);
+            with separate vocabularies, ids of the target vocabulary.
+
+    Options for converted checkpoints (`vaswani_tx.convert`); each default is the paper's:
+        attention_bias: biases on W^Q, W^K, W^V and W^O (Marian, fairseq, FSMT have them; the paper's have none).
+        activation_function: `"relu"` (Equation 2) or `"swish"` (x * sigmoid(x), many OPUS-MT models).
+        final_logits_bias: a fixed bias added to the logits after the pre-softmax projection (Marian's buffer).
+        share_encoder_decoder_embeddings: `False` gives the decoder its own table of `decoder_vocab_size`
+            rows (FSMT, some OPUS-MT models: separate source and target vocabularies); `tie_word_embeddings`
+            then ties the pre-softmax projection to the decoder's table.
+        decoder_vocab_size: size of the target vocabulary; only with `share_encoder_decoder_embeddings=False`.
+        decoder_d_ff: the decoder's feed-forward size where it differs from the encoder's `d_ff` (fairseq's
+            and FSMT's WMT19 models: 8192 in the encoder, 4096 in the decoder); `None` = `d_ff`.
     """
 
     model_type = "vaswani"
@@ -76,6 +92,12 @@ class VaswaniConfig(PreTrainedConfig):
     bos_token_id: int | None = 2
     eos_token_id: int | None = 3
     decoder_start_token_id: int | None = 2
+    attention_bias: bool = False
+    activation_function: str = "relu"
+    final_logits_bias: bool = False
+    share_encoder_decoder_embeddings: bool = True
+    decoder_vocab_size: int | None = None
+    decoder_d_ff: int | None = None
     is_encoder_decoder: bool = True
     use_cache: bool = True
 
@@ -100,9 +122,9 @@ class VaswaniConfig(PreTrainedConfig):
     def _validate(self) -> None:
         """Raise `ValueError` naming the field, its value and what is allowed."""
         for name in ("vocab_size", "d_model", "d_ff", "num_heads", "num_encoder_layers", "num_decoder_layers",
-                     "max_position_embeddings", "d_k", "d_v"):
+                     "max_position_embeddings", "d_k", "d_v", "decoder_d_ff"):
             value = getattr(self, name)
-            if value is None and name in ("d_k", "d_v"):
+            if value is None and name in ("d_k", "d_v", "decoder_d_ff"):
                 continue
             if not _is_int(value) or value <= 0:
                 raise ValueError(f"VaswaniConfig: {name}={value!r} is not allowed; it must be a positive integer.")
@@ -115,10 +137,34 @@ class VaswaniConfig(PreTrainedConfig):
                 f"VaswaniConfig: position_encoding={self.position_encoding!r} is not allowed; "
                 f"choose one of {POSITION_ENCODINGS}."
             )
-        if self.position_encoding == "sinusoidal" and self.d_model % 2:
+        if self.position_encoding != "learned" and self.d_model % 2:
             raise ValueError(
                 f"VaswaniConfig: d_model={self.d_model} must be even with sinusoidal positions "
                 "(sin and cos alternate over the dimensions, Section 3.5)."
+            )
+        if self.position_encoding == "fairseq_sinusoidal" and (self.pad_token_id is None or self.d_model < 4):
+            raise ValueError(
+                f"VaswaniConfig: position_encoding='fairseq_sinusoidal' needs pad_token_id (positions start at "
+                f"pad_token_id + 1) and d_model >= 4; got pad_token_id={self.pad_token_id!r}, d_model={self.d_model}."
+            )
+        if self.activation_function not in ACTIVATION_FUNCTIONS:
+            raise ValueError(
+                f"VaswaniConfig: activation_function={self.activation_function!r} is not allowed; "
+                f"choose one of {ACTIVATION_FUNCTIONS}."
+            )
+        for name in ("attention_bias", "final_logits_bias", "share_encoder_decoder_embeddings"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"VaswaniConfig: {name}={getattr(self, name)!r} is not allowed; it must be True or False.")
+        if self.share_encoder_decoder_embeddings and self.decoder_vocab_size not in (None, self.vocab_size):
+            raise ValueError(
+                f"VaswaniConfig: decoder_vocab_size={self.decoder_vocab_size!r} differs from vocab_size={self.vocab_size} "
+                "but share_encoder_decoder_embeddings=True; set share_encoder_decoder_embeddings=False for a "
+                "separate target vocabulary."
+            )
+        if not self.share_encoder_decoder_embeddings and (not _is_int(self.decoder_vocab_size) or self.decoder_vocab_size <= 0):
+            raise ValueError(
+                f"VaswaniConfig: decoder_vocab_size={self.decoder_vocab_size!r} is not allowed; with "
+                "share_encoder_decoder_embeddings=False it must be the target vocabulary's size (a positive integer)."
             )
         if not isinstance(self.layer_norm_eps, (int, float)) or self.layer_norm_eps <= 0:
             raise ValueError(f"VaswaniConfig: layer_norm_eps={self.layer_norm_eps!r} is not allowed; it must be > 0.")
@@ -126,20 +172,32 @@ class VaswaniConfig(PreTrainedConfig):
             value = getattr(self, name)
             if value is None:
                 continue
-            if not _is_int(value) or not 0 <= value < self.vocab_size:
+            if not _is_int(value) or not 0 <= value < self.target_vocab_size:
+                size = "vocab_size" if self.share_encoder_decoder_embeddings else "decoder_vocab_size"
                 raise ValueError(
-                    f"VaswaniConfig: {name}={value!r} is not allowed; it must be an id in [0, vocab_size={self.vocab_size})."
+                    f"VaswaniConfig: {name}={value!r} is not allowed; it must be an id in [0, {size}={self.target_vocab_size})."
                 )
+
+    @property
+    def target_vocab_size(self) -> int:
+        """Rows of the decoder's embedding and of the logits: `vocab_size` unless the vocabularies are separate."""
+        return self.vocab_size if self.share_encoder_decoder_embeddings else self.decoder_vocab_size
 
     def num_parameters_closed_form(self) -> int:
         """Trainable parameters, from the sizes alone (Sections 3.2-3.5); checked against the built model in tests."""
         d, h = self.d_model, self.num_heads
         attention = d * h * self.d_k * 2 + d * h * self.d_v + h * self.d_v * d  # W^Q, W^K, W^V, W^O: no biases
+        if self.attention_bias:
+            attention += h * self.d_k * 2 + h * self.d_v + d
         ffn = d * self.d_ff + self.d_ff + self.d_ff * d + d  # W1, b1, W2, b2
+        decoder_d_ff = self.decoder_d_ff or self.d_ff
+        decoder_ffn = d * decoder_d_ff + decoder_d_ff + decoder_d_ff * d + d
         norm = 2 * d
         encoder = self.num_encoder_layers * (attention + ffn + 2 * norm)
-        decoder = self.num_decoder_layers * (2 * attention + ffn + 3 * norm)
-        embeddings = self.vocab_size * d * (1 if self.tie_word_embeddings else 2)
+        decoder = self.num_decoder_layers * (2 * attention + decoder_ffn + 3 * norm)
+        embeddings = self.vocab_size * d + self.target_vocab_size * d * (
+            (0 if self.share_encoder_decoder_embeddings else 1) + (0 if self.tie_word_embeddings else 1)
+        )
         positions = 2 * self.max_position_embeddings * d if self.position_encoding == "learned" else 0
         return encoder + decoder + embeddings + positions
 

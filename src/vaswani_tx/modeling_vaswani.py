@@ -20,6 +20,12 @@ Where this file departs from the paper, and why (each is pinned by a test):
   gives uniform weights instead of NaN.
 Options where the paper itself varies the model (Table 3): `num_heads`, `d_k`, `d_v`, sizes, dropouts,
 and learned positions (row E). `tie_word_embeddings=False` unties the pre-softmax projection.
+Options that only published checkpoints need (`vaswani_tx.convert`), all off by default, each a small
+named branch: `attention_bias` (biases on W^Q, W^K, W^V, W^O), `activation_function="swish"`,
+`position_encoding="fairseq_sinusoidal"`, `final_logits_bias`, separate source and target
+vocabularies (`share_encoder_decoder_embeddings=False`, `decoder_vocab_size`), and a decoder
+feed-forward size of its own (`decoder_d_ff`). Marian's and fairseq's
+sin-half/cos-half layout of the hidden dimension needs no option: conversion permutes the weights.
 
 This file is copied next to saved weights for `trust_remote_code`: it imports only torch,
 transformers, the config and the translation pipeline (which saving declares in config.json).
@@ -67,6 +73,17 @@ def sinusoidal_table(length: int, d_model: int) -> torch.Tensor:
     return table.float()
 
 
+def fairseq_sinusoidal_table(length: int, d_model: int) -> torch.Tensor:
+    """fairseq's and FSMT's variant of the table (`position_encoding="fairseq_sinusoidal"`), as (length, D):
+    frequencies 10000^(-i/(D/2 - 1)) instead of 10000^(-2i/D), computed in float32 as fairseq computes
+    them so that converted checkpoints match exactly. Interleaved like `sinusoidal_table`: conversion
+    permutes fairseq's sin-half/cos-half layout of the weights instead."""
+    half = d_model // 2
+    frequencies = torch.exp(torch.arange(half, dtype=torch.float32) * -(math.log(10000) / (half - 1)))  # (D/2,)
+    angles = torch.arange(length, dtype=torch.float32).unsqueeze(1) * frequencies.unsqueeze(0)  # (length, D/2)
+    return torch.stack([torch.sin(angles), torch.cos(angles)], dim=-1).reshape(length, d_model)
+
+
 class SinusoidalPositionalEncoding(nn.Module):
     """Fixed sinusoids of Section 3.5 for any number of positions (the reason the paper preferred them).
 
@@ -75,18 +92,21 @@ class SinusoidalPositionalEncoding(nn.Module):
     stays exact after `from_pretrained` (meta-device init) and after `.to(dtype)`. It grows on demand.
     """
 
-    def __init__(self, d_model: int):
+    def __init__(self, d_model: int, table_function=sinusoidal_table, first_position: int = 0):
         super().__init__()
         self.d_model = d_model
+        self.table_function = table_function
+        self.first_position = first_position  # fairseq counts positions from pad_token_id + 1
         self._table: torch.Tensor | None = None
 
     def forward(self, length: int, offset: int, like: torch.Tensor) -> torch.Tensor:
         """Encodings of positions offset, ..., offset + length - 1: (length, D) in `like`'s dtype and device."""
+        offset = offset + self.first_position
         end = offset + length
         table = self._table
         if table is None or table.shape[0] < end or table.device != like.device or table.dtype != like.dtype:
             size = max(end, 512 if table is None else 2 * table.shape[0])
-            table = self._table = sinusoidal_table(size, self.d_model).to(device=like.device, dtype=like.dtype)
+            table = self._table = self.table_function(size, self.d_model).to(device=like.device, dtype=like.dtype)
         return table[offset:end]
 
 
@@ -107,6 +127,8 @@ class LearnedPositionalEmbedding(nn.Embedding):
 def positional_encoding(config: VaswaniConfig) -> nn.Module:
     if config.position_encoding == "learned":
         return LearnedPositionalEmbedding(config.max_position_embeddings, config.d_model)
+    if config.position_encoding == "fairseq_sinusoidal":  # converted fairseq / FSMT checkpoints
+        return SinusoidalPositionalEncoding(config.d_model, fairseq_sinusoidal_table, config.pad_token_id + 1)
     return SinusoidalPositionalEncoding(config.d_model)
 
 
@@ -167,7 +189,8 @@ class MultiHeadAttention(nn.Module):
     """MultiHead(Q, K, V) = Concat(head_1, ..., head_h) W^O, head_i = Attention(Q W_i^Q, K W_i^K, V W_i^V) (Section 3.2.2).
 
     The h projections W_i^Q (D x d_k) are stored side by side as one D x h*d_k matrix (likewise K and
-    V); the paper's projections have no bias, and neither do these. Keys and values of the
+    V); the paper's projections have no bias, and neither do these unless `attention_bias` (converted
+    Marian/fairseq checkpoints) gives each Linear its own `.bias`. Keys and values of the
     encoder-decoder attention are computed once per source and kept in the cache during decoding.
     """
 
@@ -180,10 +203,11 @@ class MultiHeadAttention(nn.Module):
         self.is_causal = is_causal  # read by transformers' SDPA interface
         self.layer_idx = layer_idx
         d_model, h = config.d_model, config.num_heads
-        self.q_proj = nn.Linear(d_model, h * self.d_k, bias=False)
-        self.k_proj = nn.Linear(d_model, h * self.d_k, bias=False)
-        self.v_proj = nn.Linear(d_model, h * self.d_v, bias=False)
-        self.out_proj = nn.Linear(h * self.d_v, d_model, bias=False)  # W^O
+        bias = config.attention_bias
+        self.q_proj = nn.Linear(d_model, h * self.d_k, bias=bias)
+        self.k_proj = nn.Linear(d_model, h * self.d_k, bias=bias)
+        self.v_proj = nn.Linear(d_model, h * self.d_v, bias=bias)
+        self.out_proj = nn.Linear(h * self.d_v, d_model, bias=bias)  # W^O
 
     def forward(
         self,
@@ -236,16 +260,20 @@ class MultiHeadAttention(nn.Module):
 
 
 class PositionwiseFeedForward(nn.Module):
-    """FFN(x) = max(0, x W1 + b1) W2 + b2 (Section 3.3, Equation 2), applied to each position alike."""
+    """FFN(x) = max(0, x W1 + b1) W2 + b2 (Section 3.3, Equation 2), applied to each position alike.
+    `activation_function="swish"` replaces max(0, .) with x * sigmoid(x) for converted OPUS-MT models;
+    `d_ff` overrides `config.d_ff` (the decoder's `decoder_d_ff` of converted WMT19 models)."""
 
-    def __init__(self, config: VaswaniConfig):
+    def __init__(self, config: VaswaniConfig, d_ff: int | None = None):
         super().__init__()
-        self.w_1 = nn.Linear(config.d_model, config.d_ff)
-        self.w_2 = nn.Linear(config.d_ff, config.d_model)
+        d_ff = d_ff or config.d_ff
+        self.w_1 = nn.Linear(config.d_model, d_ff)
+        self.w_2 = nn.Linear(d_ff, config.d_model)
         self.activation_dropout = nn.Dropout(config.activation_dropout)  # 0 in the paper
+        self.activation = torch.relu if config.activation_function == "relu" else nn.functional.silu
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.w_2(self.activation_dropout(torch.relu(self.w_1(hidden_states))))  # (B, T, D) -> (B, T, F) -> (B, T, D)
+        return self.w_2(self.activation_dropout(self.activation(self.w_1(hidden_states))))  # (B, T, D) -> (B, T, F) -> (B, T, D)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -284,7 +312,7 @@ class DecoderLayer(GradientCheckpointingLayer):
         self.self_attn_norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
         self.cross_attn = MultiHeadAttention(config, layer_idx=layer_idx)
         self.cross_attn_norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
-        self.feed_forward = PositionwiseFeedForward(config)
+        self.feed_forward = PositionwiseFeedForward(config, config.decoder_d_ff)
         self.feed_forward_norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
         self.dropout = nn.Dropout(config.dropout)
 
@@ -434,7 +462,7 @@ class Decoder(nn.Module):
             raise ValueError("Decoder: encoder_hidden_states are required (the decoder attends to the encoder output).")
         target = input_ids if input_ids is not None else inputs_embeds
         if input_ids is not None:
-            check_token_ids(input_ids, self.config.vocab_size, "decoder_input_ids")
+            check_token_ids(input_ids, self.config.target_vocab_size, "decoder_input_ids")
         output_attentions = bool(output_attentions)
         use_cache = self.config.use_cache if use_cache is None else use_cache
         return_dict = self.config.return_dict if return_dict is None else return_dict
@@ -516,10 +544,14 @@ class VaswaniPreTrainedModel(PreTrainedModel):
         elif isinstance(module, nn.LayerNorm):
             init.ones_(module.weight)
             init.zeros_(module.bias)
+        elif isinstance(module, VaswaniForConditionalGeneration) and module.config.final_logits_bias:
+            init.zeros_(module.final_logits_bias)
 
 
 class VaswaniModel(VaswaniPreTrainedModel):
-    """Encoder and decoder around one embedding matrix shared by source and target (Section 3.4)."""
+    """Encoder and decoder around one embedding matrix shared by source and target (Section 3.4).
+    With `share_encoder_decoder_embeddings=False` (converted FSMT and some OPUS-MT models) the decoder
+    owns a second table for the target vocabulary and `shared` is the source's."""
 
     _tied_weights_keys = {
         "encoder.embeddings.embed_tokens.weight": "shared.weight",
@@ -530,7 +562,11 @@ class VaswaniModel(VaswaniPreTrainedModel):
         super().__init__(config)
         self.shared = nn.Embedding(config.vocab_size, config.d_model)
         self.encoder = Encoder(config, self.shared)
-        self.decoder = Decoder(config, self.shared)
+        target_embeddings = self.shared
+        if not config.share_encoder_decoder_embeddings:
+            target_embeddings = nn.Embedding(config.decoder_vocab_size, config.d_model)
+            self._tied_weights_keys = {"encoder.embeddings.embed_tokens.weight": "shared.weight"}
+        self.decoder = Decoder(config, target_embeddings)
         self.post_init()
 
     def get_expanded_tied_weights_keys(self, all_submodels: bool = False) -> dict:
@@ -544,7 +580,8 @@ class VaswaniModel(VaswaniPreTrainedModel):
     def set_input_embeddings(self, value: nn.Embedding) -> None:
         self.shared = value
         self.encoder.embeddings.embed_tokens = value
-        self.decoder.embeddings.embed_tokens = value
+        if self.config.share_encoder_decoder_embeddings:
+            self.decoder.embeddings.embed_tokens = value
 
     def get_encoder(self, modality: str | None = None) -> Encoder:
         return self.encoder
@@ -686,7 +723,11 @@ class VaswaniForConditionalGeneration(VaswaniPreTrainedModel, GenerationMixin):
     def __init__(self, config: VaswaniConfig):
         super().__init__(config)
         self.model = VaswaniModel(config)
-        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        if not config.share_encoder_decoder_embeddings:  # separate vocabularies: tie to the target table
+            self._tied_weights_keys = {"lm_head.weight": "model.decoder.embeddings.embed_tokens.weight"}
+        self.lm_head = nn.Linear(config.d_model, config.target_vocab_size, bias=False)
+        if config.final_logits_bias:  # Marian's fixed bias on the logits (a buffer there too)
+            self.register_buffer("final_logits_bias", torch.zeros(1, config.target_vocab_size))
         self.post_init()
         self.generation_config = paper_generation_config(config)
 
@@ -728,7 +769,7 @@ class VaswaniForConditionalGeneration(VaswaniPreTrainedModel, GenerationMixin):
         return_dict = self.config.return_dict if return_dict is None else return_dict
         if labels is not None:
             real = labels[labels != -100]
-            check_token_ids(real, self.config.vocab_size, "labels")
+            check_token_ids(real, self.config.target_vocab_size, "labels")
             use_cache = False
             if decoder_input_ids is None and decoder_inputs_embeds is None:
                 decoder_input_ids = self.prepare_decoder_input_ids_from_labels(labels)
@@ -749,6 +790,8 @@ class VaswaniForConditionalGeneration(VaswaniPreTrainedModel, GenerationMixin):
             return_dict=True,
         )
         logits = self.lm_head(outputs.last_hidden_state)  # (B, T, D) -> (B, T, V)
+        if self.config.final_logits_bias:
+            logits = logits + self.final_logits_bias
         loss = None
         if labels is not None:
             loss = nn.functional.cross_entropy(
@@ -819,6 +862,7 @@ __all__ = [
     "VaswaniForConditionalGeneration",
     "VaswaniModel",
     "VaswaniPreTrainedModel",
+    "fairseq_sinusoidal_table",
     "paper_generation_config",
     "sinusoidal_table",
 ]

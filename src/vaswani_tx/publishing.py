@@ -27,12 +27,41 @@ REQUIRED_FILES = (
 
 # Options whose VaswaniConfig default is the paper's: a model that changes one lists it in its card.
 _PAPER_OPTIONS = {
-    "position_encoding": "learned positional embeddings instead of sinusoids (Table 3 row E)",
+    "position_encoding": "positions other than the paper's sinusoids: 'learned' is Table 3 row E; 'fairseq_sinusoidal' "
+                         "is fairseq's frequencies 10000^(-i/(D/2-1)) with positions from pad_token_id + 1",
     "tie_word_embeddings": "the pre-softmax projection is not tied to the embeddings",
     "scale_embedding": "embeddings are not multiplied by sqrt(d_model)",
     "attention_dropout": "dropout on attention weights",
     "activation_dropout": "dropout after the feed-forward ReLU",
+    "attention_bias": "biases on the attention projections W^Q, W^K, W^V, W^O",
+    "activation_function": "the feed-forward network uses swish, x * sigmoid(x), instead of ReLU",
+    "final_logits_bias": "a fixed bias is added to the logits",
+    "share_encoder_decoder_embeddings": "separate source and target vocabularies, each with its own embedding",
+    "decoder_d_ff": "the decoder's feed-forward network has its own inner size",
 }
+
+# The options only published checkpoints need (vaswani_tx.convert), and which checkpoints need each.
+CONVERSION_OPTIONS = {
+    "attention_bias": "Marian (OPUS-MT), FSMT and fairseq checkpoints: their W^Q, W^K, W^V, W^O have biases",
+    "position_encoding": "`fairseq_sinusoidal` for FSMT and fairseq checkpoints (their sinusoid frequencies and "
+                         "positions starting after the padding index)",
+    "final_logits_bias": "Marian (OPUS-MT) checkpoints whose logits bias is not all zero",
+    "activation_function": "`swish` for OPUS-MT checkpoints trained with it",
+    "share_encoder_decoder_embeddings": "`False` (with `decoder_vocab_size`) for FSMT and OPUS-MT checkpoints with "
+                                        "separate source and target vocabularies",
+    "tie_word_embeddings": "`False` for FSMT and fairseq checkpoints with their own output projection (Table 3's option too)",
+    "decoder_d_ff": "FSMT's and fairseq's WMT19 models (feed-forward 8192 in the encoder, 4096 in the decoder)",
+}
+
+
+def options_table(model) -> str:
+    """Markdown table of the conversion options: the paper's value, this model's, and which checkpoints need each.
+    Marian's and fairseq's sin-half/cos-half hidden layout needs none: conversion permutes the weights."""
+    defaults = VaswaniConfig.__dataclass_fields__
+    rows = ["| option | paper (default) | this model | needed by |", "| --- | --- | --- | --- |"]
+    rows += [f"| `{field}` | `{defaults[field].default!r}` | `{getattr(model.config, field)!r}` | {needed_by} |"
+             for field, needed_by in CONVERSION_OPTIONS.items()]
+    return "\n".join(rows)
 
 
 def departures(model) -> list[str]:
@@ -82,6 +111,7 @@ def render_model_card(model, *, repo: str, source_lang: str, target_lang: str, t
         training_data=training_data,
         results=results_text,
         departures="\n".join(f"- {item}" for item in departures(model)),
+        options=options_table(model),
     )
 
 

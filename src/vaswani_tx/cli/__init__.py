@@ -21,6 +21,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "attention": ("attention", "draw attention maps per layer and head as PNG (the paper's Figures 3-5)"),
     "train-tokenizer": ("train_tokenizer", "learn a shared BPE or WordPiece vocabulary from parallel text"),
     "prepare-data": ("prepare_data", "clean and encode a parallel corpus into a dataset ready for training"),
+    "convert": ("convert", "convert a MarianMT (OPUS-MT), FSMT or fairseq Transformer into a vaswani_tx model folder"),
+    "export-marian": ("export_marian", "write a vaswani_tx model folder as a MarianMTModel folder"),
 }
 
 

@@ -1,0 +1,37 @@
+"""Convert a published checkpoint into a vaswani_tx model folder whose translations are the source model's.
+
+SOURCE is one of:
+  - a MarianMTModel folder (OPUS-MT: config.json, weights, the Marian tokenizer files),
+  - an FSMTForConditionalGeneration folder (transformers' port of fairseq's WMT19 models),
+  - a fairseq checkpoint file (checkpoint*.pt / model.pt), or a folder holding exactly one, with its
+    dict.<lang>.txt files and BPE codes beside it (read without fairseq and without running pickle code).
+OUT receives safetensors weights, config.json with the model code and translation pipeline,
+generation_config.json with the source's decoding settings, and the source's tokenizer.
+
+examples:
+  vaswani-tx convert opus-mt-en-de converted/opus-mt-en-de
+  vaswani-tx convert wmt16.en-de.joined-dict.transformer/model.pt converted/fairseq-wmt16-en-de-big
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.add_argument("source", help="MarianMTModel or FSMT folder, or a fairseq checkpoint (file or its folder)")
+    parser.add_argument("out", help="output model folder")
+
+
+def run(args: argparse.Namespace) -> int:
+    from vaswani_tx.convert import convert
+
+    try:
+        out = convert(args.source, args.out)
+    except (ValueError, OSError) as err:  # ConversionError, CheckpointError, VaswaniConfig's checks, unreadable files
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(f"converted {args.source} -> {out}")
+    return 0
