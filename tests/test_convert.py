@@ -511,3 +511,20 @@ def test_model_card_lists_the_options_and_what_needs_them(marian_pair):
                              training_data="OPUS (converted from MarianMT)")
     assert "| `attention_bias` | `False` | `True` | Marian (OPUS-MT), FSMT and fairseq" in card
     assert "`final_logits_bias=True`: a fixed bias is added to the logits." in card
+
+
+def test_translate_command_reads_a_converted_marian_folder(marian_pair, tmp_path, capsys):
+    """The converted folder is a normal model folder for `vaswani-tx translate` (its own tokenizer and
+    generation config: Marian's beams and max_length)."""
+    from vaswani_tx.cli import main as cli_main
+
+    marian, root = marian_pair
+    tokenizer = AutoTokenizer.from_pretrained(root / "converted")
+    expected = []
+    for text in EN[:3]:
+        ids = marian.generate(**tokenizer(text, return_tensors="pt"))
+        expected.append(tokenizer.decode(ids[0], skip_special_tokens=True).strip())
+    source = tmp_path / "in.en"
+    source.write_text("\n".join([EN[0], "", EN[1], EN[2]]) + "\n", encoding="utf-8")
+    assert cli_main(["translate", str(root / "converted"), "-i", str(source), "--device", "cpu", "--quiet"]) == 0
+    assert capsys.readouterr().out == "\n".join([expected[0], "", expected[1], expected[2]]) + "\n"
