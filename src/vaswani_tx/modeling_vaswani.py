@@ -343,7 +343,7 @@ def check_token_ids(ids: torch.Tensor, vocab_size: int, name: str) -> None:
     """Refuse ids outside the vocabulary with a message, rather than an opaque index error deep in the embedding."""
     if ids.numel() == 0:
         return
-    smallest, largest = int(ids.min()), int(ids.max())
+    smallest, largest = (int(v) for v in torch.aminmax(ids))  # one pass and one sync: this runs every decode step
     if smallest < 0 or largest >= vocab_size:
         bad = largest if largest >= vocab_size else smallest
         raise ValueError(
@@ -487,8 +487,8 @@ class Decoder(nn.Module):
 
         embedded, hidden_states = self.embeddings(input_ids, inputs_embeds, offset=past_length)
         self_bias = attention_bias(attention_mask, length, past_length + length, causal=True, dtype=embedded.dtype)
-        cross_bias = attention_bias(
-            encoder_attention_mask, length, encoder_hidden_states.shape[1], causal=False, dtype=embedded.dtype
+        cross_bias = self._cross_attention_bias(
+            encoder_attention_mask, encoder_hidden_states.shape[1], embedded.dtype, past_key_values
         )
         all_hidden = [embedded] if output_hidden_states else None
         all_self, all_cross = ([], []) if output_attentions else (None, None)
@@ -514,6 +514,25 @@ class Decoder(nn.Module):
             cross_attentions=tuple(all_cross) if output_attentions else None,
         )
         return output if return_dict else output.to_tuple()
+
+    @staticmethod
+    def _cross_attention_bias(
+        encoder_attention_mask: torch.Tensor | None, source_length: int, dtype: torch.dtype,
+        past_key_values: EncoderDecoderCache | None,
+    ) -> torch.Tensor | None:
+        """The encoder-decoder attention bias, (B, 1, 1, S), built once per source rather than once per decode step.
+
+        It is kept in the cache next to the encoder-decoder keys and values it goes with, and reused
+        exactly when those are (once the cache holds them, the source cannot change).
+        """
+        if past_key_values is not None and past_key_values.is_updated.get(0):
+            cached = getattr(past_key_values, "_cross_attention_bias", None)
+            if cached is not None and cached[0] == (source_length, dtype):
+                return cached[1]
+        bias = attention_bias(encoder_attention_mask, 1, source_length, causal=False, dtype=dtype)
+        if past_key_values is not None:
+            past_key_values._cross_attention_bias = ((source_length, dtype), bias)
+        return bias
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -812,6 +831,13 @@ class VaswaniForConditionalGeneration(VaswaniPreTrainedModel, GenerationMixin):
 
     def prepare_decoder_input_ids_from_labels(self, labels: torch.Tensor) -> torch.Tensor:
         return shift_tokens_right(labels, self.config.pad_token_id, self.config.decoder_start_token_id)
+
+    def _reorder_cache(self, past_key_values: EncoderDecoderCache, beam_idx: torch.LongTensor) -> EncoderDecoderCache:
+        """Beam search: reorder only the self-attention keys and values. A beam is only ever replaced by a
+        beam of the same source, and all beams of one source share its encoder-decoder keys and values,
+        so reordering those (half of the cache, every step) would copy them onto themselves."""
+        past_key_values.self_attention_cache.reorder_cache(beam_idx)
+        return past_key_values
 
     @torch.no_grad()
     def generate(self, inputs: torch.Tensor | None = None, generation_config: GenerationConfig | None = None,

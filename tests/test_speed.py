@@ -1,0 +1,88 @@
+"""The decoding fast paths (work done once per source, not per step) and int8 inference.
+
+Each fast path must give exactly what the plain computation gives; speed itself is measured by
+benchmarks/bench_speed.py, never asserted here.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vaswani_tx import VaswaniConfig, VaswaniForConditionalGeneration
+from vaswani_tx import modeling_vaswani
+from vaswani_tx.quantization import is_quantized_int8, quantize_int8
+
+PAD, EOS = 0, 3
+
+
+def tiny_model(seed: int = 0, **overrides) -> VaswaniForConditionalGeneration:
+    values = dict(vocab_size=61, d_model=24, d_ff=40, num_heads=3, num_encoder_layers=2, num_decoder_layers=2, dropout=0.0)
+    torch.manual_seed(seed)
+    return VaswaniForConditionalGeneration(VaswaniConfig(**{**values, **overrides})).eval()
+
+
+def batch(lengths=(7, 4, 6), vocab: int = 61, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.full((len(lengths), max(lengths)), PAD)
+    for row, n in enumerate(lengths):
+        ids[row, : n - 1] = torch.randint(4, vocab, (n - 1,), generator=g)
+        ids[row, n - 1] = EOS
+    return ids, ids.ne(PAD).long()
+
+
+def test_cross_attention_bias_is_built_once_per_source(monkeypatch):
+    calls = []
+    original = modeling_vaswani.attention_bias
+
+    def counting(key_mask, query_length, key_length, causal, dtype):
+        calls.append(causal)
+        return original(key_mask, query_length, key_length, causal, dtype)
+
+    monkeypatch.setattr(modeling_vaswani, "attention_bias", counting)
+    ids, mask = batch()
+    tiny_model().generate(input_ids=ids, attention_mask=mask, num_beams=1, max_new_tokens=6, min_new_tokens=6)
+    assert calls.count(False) == 2  # the encoder's, and the encoder-decoder attention's once for all 6 steps
+    assert calls.count(True) == 6  # self-attention, one per step
+    # That the cached path decodes as full forwards do: test_modeling's test_generate_with_cache_equals_without.
+
+
+def test_beam_search_reordering_only_self_attention_equals_reordering_everything(monkeypatch):
+    model = tiny_model(seed=3)
+    ids, mask = batch(lengths=(8, 3, 5))
+    kwargs = dict(input_ids=ids, attention_mask=mask, num_beams=4, num_return_sequences=2, max_new_tokens=12,
+                  output_scores=True, return_dict_in_generate=True)
+    fast = model.generate(**kwargs)
+    monkeypatch.delattr(VaswaniForConditionalGeneration, "_reorder_cache")  # transformers' own: reorders both caches
+    stock = model.generate(**kwargs)
+    torch.testing.assert_close(fast.sequences, stock.sequences)
+    torch.testing.assert_close(fast.sequences_scores, stock.sequences_scores)
+
+
+def test_ids_outside_the_vocabulary_are_still_refused_while_decoding():
+    model = tiny_model()
+    ids, mask = batch()
+    with pytest.raises(ValueError, match=r"decoder_input_ids contains id 61"):
+        model(input_ids=ids, attention_mask=mask, decoder_input_ids=torch.tensor([[2, 61]] * 3))
+
+
+def test_int8_model_stays_close_to_float32_and_decodes_the_same():
+    model = tiny_model(seed=5, d_model=32, num_heads=4, d_ff=64)
+    quantized = quantize_int8(model)
+    assert is_quantized_int8(quantized) and not is_quantized_int8(model)  # a copy; the float model is untouched
+    linears = [m for m in quantized.modules() if type(m).__name__ == "Linear" and "quantized" in type(m).__module__]
+    assert len(linears) == 2 * (4 + 2) + 2 * (4 + 4 + 2) + 1  # every projection and FFN layer, and the pre-softmax one
+    ids, mask = batch(lengths=(9, 6, 7))
+    decoder_ids = torch.tensor([[2, 5, 9, 11]] * 3)
+    with torch.no_grad():
+        reference = model(input_ids=ids, attention_mask=mask, decoder_input_ids=decoder_ids).logits
+        approximate = quantized(input_ids=ids, attention_mask=mask, decoder_input_ids=decoder_ids).logits
+    error = (approximate - reference).abs()
+    assert error.mean() < 0.03 * reference.std() and error.max() < 0.15 * reference.std()  # 8 bits: ~1% typical
+    kwargs = dict(input_ids=ids, attention_mask=mask, num_beams=1, max_new_tokens=8)
+    torch.testing.assert_close(quantized.generate(**kwargs), model.generate(**kwargs))
+
+
+def test_int8_refuses_a_model_that_is_not_float32():
+    with pytest.raises(ValueError, match="float32 model"):
+        quantize_int8(tiny_model().to(torch.bfloat16))
