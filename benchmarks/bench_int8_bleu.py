@@ -4,7 +4,7 @@ and the CTranslate2 export (`export_ct2`) in float32 and int8, all on the traine
     PYTHONPATH=src .venv/bin/python benchmarks/bench_int8_bleu.py \
         [--model runs/multi30k-en-de/averaged] [--data ../shared/data/multi30k-en-de] [--limit N] [--num-beams 4]
 
-Ours decodes as `vaswani_tx.training.translate` does (the paper's Section 6.1 settings from the saved
+Ours decodes with `vaswani_tx.translation.Translator` (the paper's Section 6.1 settings from the saved
 generation config: beam 4, GNMT length penalty 0.6, source length + 50; sentences in length order,
 batches of 64), with the model passed in so that it can be quantized first. CTranslate2 decodes with
 the options the export writes (`ct2_decoding_options`: beam 4, length penalty 0.6 in the |Y|^alpha
@@ -29,21 +29,12 @@ REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
 
 
-def batches_in_length_order(sentences: list[str], batch_size: int):
-    order = sorted(range(len(sentences)), key=lambda i: len(sentences[i]))
-    for start in range(0, len(order), batch_size):
-        yield order[start : start + batch_size]
+def batches(tokenizer, sentences: list[str], batch_size: int) -> list[list[int]]:
+    """The batches `vaswani_tx.translation.Translator` makes (length order, at most `batch_size` sentences)."""
+    from vaswani_tx.translation import plan_batches
 
-
-def translate_with(model, tokenizer, sentences: list[str], num_beams: int, batch_size: int) -> list[str]:
-    outputs = [""] * len(sentences)
-    with torch.inference_mode():
-        for indices in batches_in_length_order(sentences, batch_size):
-            encoded = tokenizer([sentences[i] for i in indices], return_tensors="pt", padding=True)
-            generated = model.generate(**encoded, num_beams=num_beams)
-            for i, text in zip(indices, tokenizer.batch_decode(generated, skip_special_tokens=True)):
-                outputs[i] = text.strip()
-    return outputs
+    lengths = [len(ids) for ids in tokenizer(sentences)["input_ids"]]
+    return plan_batches(lengths, max_tokens=10**9, max_sentences=batch_size)
 
 
 def translate_ct2(folder: Path, tokenizer, sentences: list[str], num_beams: int, batch_size: int, threads: int) -> list[str]:
@@ -53,7 +44,7 @@ def translate_ct2(folder: Path, tokenizer, sentences: list[str], num_beams: int,
 
     translator = ctranslate2.Translator(str(folder), device="cpu", inter_threads=1, intra_threads=threads)
     outputs = [""] * len(sentences)
-    for indices in batches_in_length_order(sentences, batch_size):
+    for indices in batches(tokenizer, sentences, batch_size):
         sources = [tokenizer.convert_ids_to_tokens(tokenizer(sentences[i])["input_ids"]) for i in indices]
         options = {**ct2_decoding_options(folder, sources), "beam_size": num_beams}
         results = translator.translate_batch(sources, **options)
@@ -79,18 +70,20 @@ def main(argv=None) -> int:
     from vaswani_tx.modeling_vaswani import VaswaniForConditionalGeneration
     from vaswani_tx.quantization import quantize_int8
     from vaswani_tx.tokenization import load_tokenizer
+    from vaswani_tx.translation import Translator
 
     torch.set_num_threads(args.threads)
     sources = read_lines(args.data / "val.en")[: args.limit]
     references = read_lines(args.data / "val.de")[: args.limit]
     tokenizer = load_tokenizer(args.model)
     float_model = VaswaniForConditionalGeneration.from_pretrained(args.model).eval()
+    ours_options = {"lines": sources, "num_beams": args.num_beams, "max_tokens": 10**9, "batch_size": args.batch_size}
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         ct2 = {q: export_ct2(args.model, Path(tmp) / f"ct2-{q}", quantization=q) for q in (None, "int8")}
         runs = {
-            "ours": lambda: translate_with(float_model, tokenizer, sources, args.num_beams, args.batch_size),
-            "ours-int8": lambda: translate_with(quantize_int8(float_model), tokenizer, sources, args.num_beams, args.batch_size),
+            "ours": lambda: Translator(float_model, tokenizer).translate(**ours_options),
+            "ours-int8": lambda: Translator(quantize_int8(float_model), tokenizer).translate(**ours_options),
             "ct2": lambda: translate_ct2(ct2[None], tokenizer, sources, args.num_beams, args.batch_size, args.threads),
             "ct2-int8": lambda: translate_ct2(ct2["int8"], tokenizer, sources, args.num_beams, args.batch_size, args.threads),
         }

@@ -238,3 +238,17 @@ def test_evaluate_takes_wmt14_through_datasets(tiny_translator, tmp_path, monkey
     assert len((tmp_path / "newstest2014.hyp.de").read_text(encoding="utf-8").splitlines()) == 2
     assert json.loads((tmp_path / "newstest2014.scores.json").read_text())["test_set"] == "newstest2014"
     assert "newstest2014: 2 sentences, 1 beams" in capsys.readouterr().out
+
+
+def test_int8_decoding_quantizes_the_linear_layers(tiny_translator, capsys):
+    from vaswani_tx.quantization import is_quantized_int8
+
+    int8 = load_translator(tiny_translator[0], int8=True)
+    assert is_quantized_int8(int8.model)
+    outputs = greedy(int8, LINES)
+    assert len(outputs) == len(LINES) and outputs[1] == "" and all(outputs[i] for i in (0, 2, 4))
+    with pytest.raises(ValueError, match="int8 decoding runs on the CPU from float32"):
+        load_translator(tiny_translator[0], dtype="bfloat16", int8=True)
+    assert cli_main(["translate", str(tiny_translator[0]), LINES[0], "--int8", "--num-beams", "1",
+                     "--max-length-offset", "4", "--quiet"]) == 0
+    assert capsys.readouterr().out == outputs[0] + "\n"

@@ -80,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
         name, target_lang, sources, references = _test_set(args)
         if not sources:
             raise ValueError("the test set is empty")
-        translator = load_translator(args.model, device=args.device, dtype=args.dtype)
+        translator = load_translator(args.model, device=args.device, dtype=args.dtype, int8=args.int8)
         start = time.perf_counter()
         hypotheses = translator.translate(sources, **decoding_options(args))
         seconds = time.perf_counter() - start
@@ -99,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
         "length_penalty_type": getattr(generation, "length_penalty_type", "hf"),
         "max_output_length_offset": args.max_length_offset if args.max_length_offset is not None
         else getattr(generation, "max_output_length_offset", None),
-        "device": str(translator.device), "dtype": str(translator.model.dtype).removeprefix("torch."),
+        "device": str(translator.device), "dtype": str(translator.model.dtype).removeprefix("torch."), "int8": args.int8,
         "decoding_seconds": round(seconds, 2), "hypotheses": str(hypothesis_file),
     }
     scores_file = output_dir / f"{name}.scores.json"
