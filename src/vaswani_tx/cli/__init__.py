@@ -20,6 +20,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "attention": ("attention", "draw attention maps per layer and head as PNG (the paper's Figures 3-5)"),
     "train-tokenizer": ("train_tokenizer", "learn a shared BPE or WordPiece vocabulary from parallel text"),
     "prepare-data": ("prepare_data", "clean and encode a parallel corpus into a dataset ready for training"),
+    "parse": ("parse", "constituency parsing (Section 6.3): train on a treebank, parse, score bracketing F1"),
 }
 
 
