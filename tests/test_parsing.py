@@ -260,6 +260,9 @@ def test_parser_configs_are_section_6_3():
         assert yaml.safe_load((REPO / "configs" / "train" / f"{name}.yaml").read_text())["model_config"].startswith(
             "configs/model/parser-")
         assert arguments.label_smoothing_factor == 0.1 and arguments.predict_with_generate is False
+        if name == "wsj-parse":  # the base model's Section 5 training: 25,000 tokens a step on 8 GPUs, 100K steps
+            assert recipe.max_tokens * 8 * arguments.gradient_accumulation_steps == 25_000
+            assert (arguments.max_steps, arguments.warmup_steps, arguments.learning_rate) == (100_000, 4000, 1.0)
     assert recipe.model_config.endswith("parser-cpu.json")
 
 

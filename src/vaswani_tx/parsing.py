@@ -45,6 +45,7 @@ import json
 import logging
 import os
 import re
+import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -277,13 +278,18 @@ def run_recipe(
 
     recipe, arguments = load_run_config(config, overrides)
     test = read_treebank(test_trees)
+    if not test:
+        raise ValueError(f"no trees in the test files {' '.join(map(str, test_trees))}")
     with arguments.main_process_first(local=False, desc="treebank"):  # process 0 writes, the others wait
         for name, patterns, source, target in (("train", train_trees, recipe.train_source, recipe.train_target),
                                                ("dev", dev_trees, recipe.dev_source, recipe.dev_target)):
             if source is None or target is None:
                 raise ValueError(f"run config {config} must name {name}_source and {name}_target files to write")
             if arguments.process_index == 0:
-                count = write_examples(read_treebank(patterns), source, target)
+                trees = read_treebank(patterns)
+                if not trees:
+                    raise ValueError(f"no trees in the {name} files {' '.join(map(str, patterns))}")
+                count = write_examples(trees, source, target)
                 logger.info("%s: %d trees -> %s, %s", name, count, source, target)
     metrics = train(recipe, arguments, resume=resume)
     if arguments.process_index != 0:
@@ -292,11 +298,17 @@ def run_recipe(
     checkpoints = checkpoint_folders(model_dir)
     if recipe.average_last > 1 and len(checkpoints) >= 2:
         model_dir = average_checkpoints(checkpoints[-recipe.average_last:], model_dir / "averaged")
+    started = time.monotonic()
     predicted = parse(model_dir, [tree.words() for tree in test], num_beams=num_beams)
+    parse_seconds = round(time.monotonic() - started, 1)
     output_dir = Path(arguments.output_dir)
     write_trees(test, output_dir / "test.gold")
     write_trees(predicted, output_dir / "test.parsed")
-    scores = {"model": str(model_dir), "test_trees": len(test), "num_beams": num_beams or "generation_config",
+    if num_beams is None:
+        from transformers import GenerationConfig
+
+        num_beams = GenerationConfig.from_pretrained(model_dir).num_beams
+    scores = {"model": str(model_dir), "test_trees": len(test), "num_beams": num_beams, "parse_seconds": parse_seconds,
               **bracket_f1(test, predicted, max_length=max_length)}
     (output_dir / "parse_scores.json").write_text(json.dumps(scores, indent=1) + "\n", encoding="utf-8")
     return {**metrics, "parse": scores}
