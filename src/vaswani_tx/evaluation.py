@@ -30,22 +30,29 @@ logger = logging.getLogger(__name__)
 METRIC_PATH: Path = Path(__file__).resolve().parent / "metrics" / "vaswani_bleu" / "vaswani_bleu.py"
 """The metric module file: ``evaluate.load(str(METRIC_PATH))`` works offline."""
 
+METRIC_NAMES = ("vaswani_bleu", "vaswani_parseval")  # translation (Section 6.1), parsing (Section 6.3)
+
 # The numeric results, the ones a Trainer can log; signatures are strings and are logged instead.
 TRAINER_METRIC_KEYS = ("sacrebleu", "chrf", "tokenized_bleu")
 
 
-def load_metric(**kwargs: Any) -> evaluate.EvaluationModule:
-    """``evaluate.load`` of the package's ``vaswani_bleu`` module; kwargs go to ``evaluate.load``.
+def load_metric(name: str = "vaswani_bleu", **kwargs: Any) -> evaluate.EvaluationModule:
+    """``evaluate.load`` of one of the package's metric modules (``METRIC_NAMES``); kwargs go to ``evaluate.load``.
+
+    ``"vaswani_bleu"`` scores translations; ``"vaswani_parseval"`` scores parse trees (EVALB bracketing F1).
 
     The path is a file that exists, so ``evaluate`` takes its local branch and never contacts the hub.
     Predictions are kept in memory by default: nothing here needs ``evaluate``'s on-disk cache.
     """
     import evaluate
 
-    if not METRIC_PATH.is_file():
-        raise FileNotFoundError(f"metric module missing from the installed package: {METRIC_PATH}")
+    if name not in METRIC_NAMES:
+        raise ValueError(f"unknown metric {name!r}; the package ships {', '.join(METRIC_NAMES)}")
+    path = METRIC_PATH.parent.parent / name / f"{name}.py"
+    if not path.is_file():
+        raise FileNotFoundError(f"metric module missing from the installed package: {path}")
     kwargs.setdefault("keep_in_memory", True)
-    return evaluate.load(str(METRIC_PATH), **kwargs)
+    return evaluate.load(str(path), **kwargs)
 
 
 def score(

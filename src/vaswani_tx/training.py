@@ -326,6 +326,7 @@ class RecipeConfig:
     max_words: int | None = 250  # cleaning of the training pairs (vaswani_tx.data.clean_pairs)
     max_length_ratio: float | None = 3.0
     average_last: int = 5  # checkpoints to average at the end (Section 6: 5 base, 20 big)
+    generation: dict[str, Any] | None = None  # decoding defaults saved in the model's generation_config
 
 
 RECIPE_FIELDS = tuple(f.name for f in fields(RecipeConfig))
@@ -386,6 +387,8 @@ def load_run_config(
         raise ConfigError(f"run config {path}: give train_source with train_target, or wmt14 (one of the two)")
     if recipe.max_tokens <= 0:
         raise ConfigError(f"max_tokens must be > 0, got {recipe.max_tokens}")
+    if recipe.generation is not None and not isinstance(recipe.generation, dict):
+        raise ConfigError(f"run config {path}: generation must be a mapping of GenerationConfig fields")
 
     argument_values = {k: v for k, v in values.items() if k in argument_fields}
     if "output_dir" not in argument_values:
@@ -706,6 +709,8 @@ def train(recipe: RecipeConfig, arguments: Seq2SeqTrainingArguments, resume: boo
 
     set_seed(arguments.seed)  # the initial weights; the Trainer reseeds for the data order and dropout
     model = VaswaniForConditionalGeneration(config)
+    if recipe.generation:
+        set_generation_defaults(model, recipe.generation)
     collator = DataCollatorForSeq2Seq(tokenizer, model=model, label_pad_token_id=-100)
     callbacks = [TimedCheckpointCallback(recipe.save_minutes)] if recipe.save_minutes else []
     trainer = VaswaniTrainer(
@@ -715,7 +720,8 @@ def train(recipe: RecipeConfig, arguments: Seq2SeqTrainingArguments, resume: boo
         eval_dataset=dev_set,
         data_collator=collator,
         processing_class=tokenizer,
-        compute_metrics=make_compute_metrics(tokenizer, target_lang=recipe.target_lang),
+        # without generation the Trainer's predictions are logits: dev loss only
+        compute_metrics=make_compute_metrics(tokenizer, target_lang=recipe.target_lang) if arguments.predict_with_generate else None,
         callbacks=callbacks,
         max_tokens=recipe.max_tokens,
         eval_max_tokens=recipe.eval_max_tokens,
@@ -742,6 +748,26 @@ def train(recipe: RecipeConfig, arguments: Seq2SeqTrainingArguments, resume: boo
         metrics.update(final if final else trainer.evaluate())
     _save_final(trainer)
     return metrics
+
+
+def set_generation_defaults(model, values: dict[str, Any]) -> None:
+    """Replace fields of ``model.generation_config`` (the run config's ``generation:`` block).
+
+    Checkpoints and the final model save it, so ``generate()`` and ``vaswani-tx translate`` decode with
+    these defaults unchanged (e.g. Section 6.3's beam 21, alpha 0.3, input length + 300).
+
+    Raises:
+        ConfigError: a key that is not a field of the model's generation config, or invalid values.
+    """
+    generation_config = model.generation_config
+    unknown = sorted(key for key in values if not hasattr(generation_config, key))
+    if unknown:
+        raise ConfigError(f"generation: {', '.join(unknown)} not a field of the model's GenerationConfig")
+    generation_config.update(**values)
+    try:
+        generation_config.validate(strict=True)
+    except ValueError as err:
+        raise ConfigError(f"generation: {err}") from None
 
 
 def _reached_max_steps(checkpoint: str, arguments: Seq2SeqTrainingArguments) -> bool:

@@ -24,6 +24,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "convert": ("convert", "convert a MarianMT (OPUS-MT), FSMT or fairseq Transformer into a vaswani_tx model folder"),
     "export-marian": ("export_marian", "write a vaswani_tx model folder as a MarianMTModel folder"),
     "export-ct2": ("export_ct2", "convert a saved model to CTranslate2 for fast CPU serving, optionally int8"),
+    "parse": ("parse", "constituency parsing (Section 6.3): train on a treebank, parse, score bracketing F1"),
 }
 
 
