@@ -28,6 +28,12 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+def fail(command: str, message: object) -> int:
+    """Report bad input as the commands that return status 2 do: ``vaswani-tx COMMAND: error: MESSAGE`` on stderr."""
+    print(f"vaswani-tx {command}: error: {message}", file=sys.stderr)
+    return 2
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="vaswani-tx",

@@ -16,7 +16,8 @@ examples:
 from __future__ import annotations
 
 import argparse
-import sys
+
+from vaswani_tx.cli import fail
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -31,7 +32,6 @@ def run(args: argparse.Namespace) -> int:
     try:
         out = convert(args.source, args.out)
     except (ValueError, OSError) as err:  # ConversionError, CheckpointError, VaswaniConfig's checks, unreadable files
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+        return fail("convert", err)
     print(f"converted {args.source} -> {out}")
     return 0

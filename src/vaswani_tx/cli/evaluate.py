@@ -19,7 +19,8 @@ import json
 import time
 from pathlib import Path
 
-from vaswani_tx.cli.translate import add_decoding_arguments, decoding_options, fail
+from vaswani_tx.cli import fail
+from vaswani_tx.cli.translate import add_decoding_arguments, decoding_options
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

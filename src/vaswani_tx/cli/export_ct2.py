@@ -12,7 +12,8 @@ examples:
 from __future__ import annotations
 
 import argparse
-import sys
+
+from vaswani_tx.cli import fail
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -32,7 +33,6 @@ def run(args: argparse.Namespace) -> int:
 
         out = export_ct2(args.model, args.out, quantization=args.quantization, force=args.force)
     except (ImportError, FileNotFoundError, FileExistsError, ValueError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
+        return fail("export-ct2", error)
     print(f"wrote CTranslate2 model to {out}" + (f" ({args.quantization})" if args.quantization else ""))
     return 0

@@ -11,7 +11,8 @@ example:
 from __future__ import annotations
 
 import argparse
-import sys
+
+from vaswani_tx.cli import fail
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -26,7 +27,6 @@ def run(args: argparse.Namespace) -> int:
     try:
         out = export_marian(args.model, args.out)
     except (ValueError, OSError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+        return fail("export-marian", err)
     print(f"exported {args.model} -> {out} (MarianMTModel)")
     return 0

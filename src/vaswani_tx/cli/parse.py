@@ -24,7 +24,8 @@ examples:
 from __future__ import annotations
 
 import argparse
-import sys
+
+from vaswani_tx.cli import fail
 
 INTERMIXED = "overrides"  # key=value may also follow --resume (see vaswani_tx.cli.main)
 
@@ -113,6 +114,5 @@ def run(args: argparse.Namespace) -> int:
                 raise ValueError(f"{args.gold} has {len(gold)} trees but {args.predicted} has {len(predicted)}")
             _print_scores(parsing.bracket_f1(gold, predicted, max_length=args.max_length))
     except (ConfigError, CheckpointError, FileNotFoundError, ValueError) as err:  # TreebankFormatError is a ValueError
-        print(f"vaswani-tx parse: error: {err}", file=sys.stderr)
-        return 2
+        return fail("parse", err)
     return 0

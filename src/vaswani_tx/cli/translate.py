@@ -16,7 +16,8 @@ examples:
 from __future__ import annotations
 
 import argparse
-import sys
+
+from vaswani_tx.cli import fail
 
 
 def add_decoding_arguments(parser: argparse.ArgumentParser) -> None:
@@ -55,11 +56,6 @@ def decoding_options(args: argparse.Namespace) -> dict:
     if args.max_length_offset is not None:
         options["max_output_length_offset"] = args.max_length_offset
     return options
-
-
-def fail(command: str, message: object) -> int:
-    print(f"{command}: error: {message}", file=sys.stderr)
-    return 2
 
 
 def run(args: argparse.Namespace) -> int:
