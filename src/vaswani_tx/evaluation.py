@@ -14,6 +14,7 @@ This module imports neither the model nor training code: scoring needs only text
 from __future__ import annotations
 
 import logging
+import sys
 from collections.abc import Callable, Sequence
 from os import PathLike
 from pathlib import Path
@@ -77,6 +78,32 @@ def read_lines(path: str | PathLike[str]) -> list[str]:
     return decode_lines(Path(path).read_bytes(), str(path))
 
 
+def read_text(path: str | PathLike[str] | None) -> list[str]:
+    """``read_lines`` of a file, or of standard input for ``None`` or ``"-"`` (as the ``sacrebleu`` command)."""
+    if path is None or str(path) == "-":
+        return decode_lines(sys.stdin.buffer.read(), "<stdin>")
+    return read_lines(path)
+
+
+def read_references(
+    reference_files: Sequence[str | PathLike[str]], line_count: int, aligned_with: str
+) -> list[list[str]]:
+    """The references of each sentence, from one file per reference position (``read_text``).
+
+    Every file must have ``line_count`` lines, the count of ``aligned_with`` (e.g. ``"source file
+    test.en"``); a different count raises ``ValueError`` naming both files and counts.
+    """
+    streams = []
+    for reference_file in reference_files:
+        stream = read_text(reference_file)
+        if len(stream) != line_count:
+            raise ValueError(
+                f"line counts differ: {line_count} lines in {aligned_with}, {len(stream)} lines in reference file {reference_file}"
+            )
+        streams.append(stream)
+    return [list(refs) for refs in zip(*streams)]
+
+
 def decode_lines(data: bytes, name: str) -> list[str]:
     """Split UTF-8 bytes into lines as the ``sacrebleu`` command line does; ``name`` labels errors.
 
@@ -111,16 +138,7 @@ def score_files(
     if isinstance(reference_files, (str, PathLike)):
         reference_files = [reference_files]
     hypotheses = read_lines(hypothesis_file)
-    reference_streams = []
-    for reference_file in reference_files:
-        stream = read_lines(reference_file)
-        if len(stream) != len(hypotheses):
-            raise ValueError(
-                f"line counts differ: {len(hypotheses)} lines in hypothesis file {hypothesis_file}, "
-                f"{len(stream)} lines in reference file {reference_file}"
-            )
-        reference_streams.append(stream)
-    references = [list(refs) for refs in zip(*reference_streams)]
+    references = read_references(reference_files, len(hypotheses), f"hypothesis file {hypothesis_file}")
     return score(hypotheses, references, target_lang, compound_splitting)
 
 

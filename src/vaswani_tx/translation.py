@@ -11,7 +11,7 @@ The library side of ``vaswani-tx translate`` and ``vaswani-tx evaluate``:
   overridden. Lines are batched by a token budget in length order, as Marian and fairseq do, so
   little compute goes to padding, and come back in input order. Empty lines stay empty (the model
   never sees them) and every output is one line: the count and order of lines never change.
-* ``read_text(path)`` reads a file or standard input as the ``sacrebleu`` command does (lines end at
+* ``read_text(path)`` (``vaswani_tx.evaluation``'s) reads a file or standard input as the ``sacrebleu`` command does (lines end at
   ``\\n`` only; non-UTF-8 input is refused naming the line).
 
 This module imports the model, not the training code.
@@ -30,20 +30,13 @@ from typing import Any
 
 import torch
 
-from vaswani_tx.evaluation import decode_lines, read_lines
+from vaswani_tx.evaluation import read_text
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
 
 # Characters str.splitlines() treats as line ends: a hypothesis holding one would shift every later line.
 _LINE_BREAKS = re.compile("[\n\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029]")
-
-
-def read_text(path: str | os.PathLike | None) -> list[str]:
-    """Lines of a UTF-8 file, or of standard input for ``None`` or ``"-"`` (see ``evaluation.read_lines``)."""
-    if path is None or str(path) == "-":
-        return decode_lines(sys.stdin.buffer.read(), "<stdin>")
-    return read_lines(path)
 
 
 def one_line(text: str) -> str:

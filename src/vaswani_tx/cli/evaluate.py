@@ -45,7 +45,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _test_set(args: argparse.Namespace) -> tuple[str, str, list[str], list[list[str]]]:
     """(name, target language, sources, references per sentence) from the arguments."""
-    from vaswani_tx.translation import read_text
+    from vaswani_tx.evaluation import read_references, read_text
 
     if bool(args.wmt14) == bool(args.source):
         raise ValueError("give either --source and --reference files or --wmt14 SRC-TGT")
@@ -59,18 +59,12 @@ def _test_set(args: argparse.Namespace) -> tuple[str, str, list[str], list[list[
     if not args.reference:
         raise ValueError("--source needs at least one --reference file to score against")
     sources = read_text(args.source)
-    streams = [read_text(path) for path in args.reference]
-    for path, stream in zip(args.reference, streams):
-        if len(stream) != len(sources):
-            raise ValueError(
-                f"line counts differ: {len(sources)} lines in source file {args.source}, "
-                f"{len(stream)} lines in reference file {path}"
-            )
+    references = read_references(args.reference, len(sources), f"source file {args.source}")
     target_lang = args.target_lang or Path(args.reference[0]).suffix.lstrip(".")
     if not (target_lang.isalpha() and len(target_lang) == 2):  # ISO 639-1, as sacreBLEU and Moses take it
         raise ValueError(f"cannot tell the target language from {args.reference[0]}: give --target-lang (e.g. de)")
     name = args.name or Path(args.source).stem
-    return name, target_lang, sources, [list(refs) for refs in zip(*streams)]
+    return name, target_lang, sources, references
 
 
 def run(args: argparse.Namespace) -> int:
