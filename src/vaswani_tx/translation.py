@@ -177,16 +177,15 @@ class Translator:
         batches = plan_batches([len(ids) for ids in encoded], max_tokens, batch_size)
         bar = tqdm(total=len(lines), unit="line", desc="Translating", disable=not progress, file=sys.stderr)
         bar.update(len(lines) - len(todo))
-        pad = self.tokenizer.pad_token_id
         with torch.inference_mode():
             for batch in batches:
-                width = max(len(encoded[b]) for b in batch)
-                input_ids = torch.full((len(batch), width), pad, dtype=torch.long)
-                for row, b in enumerate(batch):
-                    input_ids[row, : len(encoded[b])] = torch.tensor(encoded[b])
-                attention_mask = input_ids.ne(pad).long()
+                padded = self.tokenizer.pad(
+                    {"input_ids": [encoded[b] for b in batch]}, padding_side="right", return_tensors="pt"
+                )
                 generated = self.model.generate(
-                    input_ids=input_ids.to(self.device), attention_mask=attention_mask.to(self.device), **generate_kwargs
+                    input_ids=padded["input_ids"].to(self.device),
+                    attention_mask=padded["attention_mask"].to(self.device),
+                    **generate_kwargs,
                 )
                 texts = self.tokenizer.batch_decode(generated, skip_special_tokens=True)
                 for b, text in zip(batch, texts):
