@@ -20,6 +20,8 @@ import pickle
 from pathlib import Path
 from typing import Any
 
+from .checkpoints import CheckpointError
+
 FAIRSEQ_SPECIALS = ("<s>", "<pad>", "</s>", "<unk>")
 
 # The architectures of the published WMT models (Ott et al. 2018; Vaswani et al. 2017 as fairseq names them)
@@ -30,10 +32,6 @@ SUPPORTED_ARCHITECTURES: dict[str, dict[str, Any]] = {
     "transformer_vaswani_wmt_en_de_big": {"encoder_attention_heads": 16, "decoder_attention_heads": 16, "dropout": 0.3},
     "transformer_vaswani_wmt_en_fr_big": {"encoder_attention_heads": 16, "decoder_attention_heads": 16, "dropout": 0.1},
 }
-
-
-class CheckpointError(ValueError):
-    """A checkpoint file that cannot be read safely or is not a supported fairseq translation model."""
 
 
 def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:

@@ -42,6 +42,7 @@ from transformers import Seq2SeqTrainer, Seq2SeqTrainingArguments, TrainerCallba
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, seed_worker
 from transformers.utils import SAFE_WEIGHTS_NAME
 
+from vaswani_tx.checkpoints import CheckpointError, check_safetensors
 from vaswani_tx.data import TokenBudgetBatchSampler
 
 logger = logging.getLogger(__name__)
@@ -416,10 +417,6 @@ def load_run_config(
 # ---- checkpoints ----
 
 
-class CheckpointError(ValueError):
-    """A checkpoint folder that is missing files, truncated or incompatible; the message names it."""
-
-
 _RESUME_FILES = ("trainer_state.json", "optimizer.pt", "scheduler.pt")
 
 
@@ -453,7 +450,7 @@ def check_checkpoint(folder: str | os.PathLike, for_resume: bool = True) -> None
             json.loads((folder / name).read_text(encoding="utf-8"))
         except (json.JSONDecodeError, UnicodeDecodeError) as err:
             raise CheckpointError(f"checkpoint {folder}: {name} is corrupt ({err})") from None
-    _check_safetensors(folder / SAFE_WEIGHTS_NAME)
+    check_safetensors(folder / SAFE_WEIGHTS_NAME)
     if for_resume:
         for path in [folder / "optimizer.pt", folder / "scheduler.pt", *sorted(folder.glob("rng_state*.pth"))]:
             try:
@@ -463,23 +460,6 @@ def check_checkpoint(folder: str | os.PathLike, for_resume: bool = True) -> None
                 raise CheckpointError(f"checkpoint {folder}: {path.name} is truncated or corrupt ({err})") from None
             if bad is not None:
                 raise CheckpointError(f"checkpoint {folder}: {path.name} is corrupt (bad CRC in {bad})")
-
-
-def _check_safetensors(path: Path) -> None:
-    size = path.stat().st_size
-    try:
-        with open(path, "rb") as handle:
-            header_length = int.from_bytes(handle.read(8), "little")
-            if size < 8 or 8 + header_length > size:
-                raise ValueError("the header runs past the end of the file")
-            header = json.loads(handle.read(header_length))
-        end = max((entry["data_offsets"][1] for key, entry in header.items() if key != "__metadata__"), default=0)
-    except (ValueError, KeyError, TypeError, UnicodeDecodeError) as err:
-        raise CheckpointError(f"{path} is not a readable safetensors file ({err})") from None
-    if 8 + header_length + end != size:
-        raise CheckpointError(
-            f"{path} is truncated or corrupt: its header describes {8 + header_length + end} bytes, the file has {size}"
-        )
 
 
 def _comparable_config(folder: Path) -> dict[str, Any]:

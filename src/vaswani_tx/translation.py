@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from vaswani_tx.checkpoints import CheckpointError, check_safetensors
 from vaswani_tx.evaluation import read_text
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -109,10 +110,8 @@ def _check_model_folder(folder: Path) -> None:
     if not any((folder / name).is_file() for name in WEIGHT_FILES):
         raise ValueError(f"{folder} has a config but no weights ({' or '.join(WEIGHT_FILES)})")
     if (folder / WEIGHT_FILES[0]).is_file():
-        from vaswani_tx.training import CheckpointError, _check_safetensors
-
         try:
-            _check_safetensors(folder / WEIGHT_FILES[0])
+            check_safetensors(folder / WEIGHT_FILES[0])
         except CheckpointError as err:
             raise ValueError(str(err)) from None
 
