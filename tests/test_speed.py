@@ -9,26 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vaswani_tx import VaswaniConfig, VaswaniForConditionalGeneration
-from vaswani_tx import modeling_vaswani
+from vaswani_tx import VaswaniForConditionalGeneration, modeling_vaswani
 from vaswani_tx.quantization import is_quantized_int8, quantize_int8
 
-PAD, EOS = 0, 3
-
-
-def tiny_model(seed: int = 0, **overrides) -> VaswaniForConditionalGeneration:
-    values = dict(vocab_size=61, d_model=24, d_ff=40, num_heads=3, num_encoder_layers=2, num_decoder_layers=2, dropout=0.0)
-    torch.manual_seed(seed)
-    return VaswaniForConditionalGeneration(VaswaniConfig(**{**values, **overrides})).eval()
-
-
-def batch(lengths=(7, 4, 6), vocab: int = 61, seed: int = 1):
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.full((len(lengths), max(lengths)), PAD)
-    for row, n in enumerate(lengths):
-        ids[row, : n - 1] = torch.randint(4, vocab, (n - 1,), generator=g)
-        ids[row, n - 1] = EOS
-    return ids, ids.ne(PAD).long()
+from test_modeling import batch, tiny_model  # the model tests' tiny odd-sized model and padded batch
 
 
 def test_cross_attention_bias_is_built_once_per_source(monkeypatch):
@@ -67,7 +51,7 @@ def test_ids_outside_the_vocabulary_are_still_refused_while_decoding():
 
 
 def test_int8_model_stays_close_to_float32_and_decodes_the_same():
-    model = tiny_model(seed=5, d_model=32, num_heads=4, d_ff=64)
+    model = tiny_model(seed=5, d_model=32, num_heads=4, d_ff=64, num_decoder_layers=2)
     quantized = quantize_int8(model)
     assert is_quantized_int8(quantized) and not is_quantized_int8(model)  # a copy; the float model is untouched
     linears = [m for m in quantized.modules() if type(m).__name__ == "Linear" and "quantized" in type(m).__module__]
