@@ -158,6 +158,66 @@ def test_source_padding_does_not_change_real_positions(attn):
     torch.testing.assert_close(a.logits, b.logits, rtol=0, atol=1e-5)
 
 
+def padded_training_batch():
+    """Source padding, target padding after the last label, a label masked mid-sentence, a row with no
+    real source and a row with no labels at all."""
+    ids, mask = batch(lengths=(7, 4, 6, 2))
+    mask[3] = 0
+    target = torch.randint(4, 61, (4, 8), generator=torch.Generator().manual_seed(5))
+    labels = target.clone()
+    labels[1, 5:] = -100
+    labels[2, 2] = -100
+    labels[2, 6:] = -100
+    labels[3] = -100
+    return ids, mask, labels
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_skipping_padding_changes_nothing_that_counts(attn):
+    """`skip_padding` computes only real source positions and target positions up to the last label:
+    loss, gradients, labelled logits and real encoder outputs equal those of computing everything."""
+    skip, full = tiny_model(attn_implementation=attn), tiny_model(attn_implementation=attn, skip_padding=False)
+    assert skip.config.skip_padding and not full.config.skip_padding
+    ids, mask, labels = padded_training_batch()
+    outputs = []
+    for model in (skip, full):
+        model.train()
+        out = model(input_ids=ids, attention_mask=mask, labels=labels)
+        out.loss.backward()
+        outputs.append(out)
+    a, b = outputs
+    torch.testing.assert_close(a.loss, b.loss, rtol=0, atol=1e-6)
+    labelled = labels.ne(-100)
+    torch.testing.assert_close(a.logits[labelled], b.logits[labelled], rtol=0, atol=1e-5)
+    skipped = ~labelled & labelled.any(1, keepdim=True)  # a row with no label at all is computed whole
+    assert skipped.any() and (a.logits[skipped] == 0).all()  # documented: not computed
+    real = mask.bool()
+    real[3] = True  # a row with no real token is computed whole
+    torch.testing.assert_close(a.encoder_last_hidden_state[real], b.encoder_last_hidden_state[real], rtol=0, atol=1e-5)
+    for (name, p), q in zip(skip.named_parameters(), full.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_skipping_padding_follows_the_decoder_mask_and_leaves_decoding_alone():
+    skip, full = tiny_model(), tiny_model(skip_padding=False)
+    ids, mask = batch()
+    target = torch.randint(4, 61, (3, 6))
+    target_mask = torch.ones_like(target)
+    target_mask[0, 3:] = 0
+    target_mask[2, 1] = 0  # a hole before the last 1: still computed (later positions may attend to it)
+    a = skip(input_ids=ids, attention_mask=mask, decoder_input_ids=target, decoder_attention_mask=target_mask).logits
+    b = full(input_ids=ids, attention_mask=mask, decoder_input_ids=target, decoder_attention_mask=target_mask).logits
+    torch.testing.assert_close(a[target_mask.bool()], b[target_mask.bool()], rtol=0, atol=1e-5)
+    torch.testing.assert_close(a[2], b[2], rtol=0, atol=1e-5)
+    assert torch.equal(skip.generate(input_ids=ids, attention_mask=mask, num_beams=3, max_new_tokens=6),
+                       full.generate(input_ids=ids, attention_mask=mask, num_beams=3, max_new_tokens=6))
+
+
+def test_skip_padding_must_be_a_bool():
+    with pytest.raises(ValueError, match="skip_padding='yes' is not allowed"):
+        tiny_config(skip_padding="yes")
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
 def test_fully_padded_row_gives_no_nan(dtype, attn):

@@ -44,6 +44,12 @@ class VaswaniConfig(PreTrainedConfig):
             (the package's tokenizers use `<pad>`=0, `<unk>`=1, `<s>`=2, `</s>`=3; the decoder starts from `<s>`);
             with separate vocabularies, ids of the target vocabulary.
 
+    Computation, not maths:
+        skip_padding: compute the position-wise maps only where a result depends on them (real source
+            positions, target positions up to the last label); padded positions' outputs are then not
+            meaningful (zero logits at unlabelled positions when the model computes its loss). `False`
+            computes every position, as other implementations do. Real positions are the same either way.
+
     Options for converted checkpoints (`vaswani_tx.convert`); each default is the paper's:
         attention_bias: biases on W^Q, W^K, W^V and W^O (Marian, fairseq, FSMT have them; the paper's have none).
         activation_function: `"relu"` (Equation 2) or `"swish"` (x * sigmoid(x), many OPUS-MT models).
@@ -98,6 +104,7 @@ class VaswaniConfig(PreTrainedConfig):
     share_encoder_decoder_embeddings: bool = True
     decoder_vocab_size: int | None = None
     decoder_d_ff: int | None = None
+    skip_padding: bool = True
     is_encoder_decoder: bool = True
     use_cache: bool = True
 
@@ -152,7 +159,7 @@ class VaswaniConfig(PreTrainedConfig):
                 f"VaswaniConfig: activation_function={self.activation_function!r} is not allowed; "
                 f"choose one of {ACTIVATION_FUNCTIONS}."
             )
-        for name in ("attention_bias", "final_logits_bias", "share_encoder_decoder_embeddings"):
+        for name in ("attention_bias", "final_logits_bias", "share_encoder_decoder_embeddings", "skip_padding"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"VaswaniConfig: {name}={getattr(self, name)!r} is not allowed; it must be True or False.")
         if self.share_encoder_decoder_embeddings and self.decoder_vocab_size not in (None, self.vocab_size):

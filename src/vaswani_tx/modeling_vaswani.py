@@ -15,6 +15,12 @@ Where this file departs from the paper, and why (each is pinned by a test):
 - LayerNorm epsilon is not given in the paper; 1e-5 (`layer_norm_eps`).
 - Beam search uses `generate()`'s early stopping: a sentence stops once `num_beams` hypotheses have
   ended, the closest `generate()` comes to "terminate early when possible" (Section 6.1).
+- Padding is skipped: the position-wise maps (W^Q, W^K, W^V, W^O, the FFN, the pre-softmax
+  projection) run only at the positions that can affect a result, which is the same maths for every
+  real position (no real query attends to a padded key). Padded source positions and target
+  positions after the last label (or the last 1 of `decoder_attention_mask`) therefore hold no
+  meaningful values: zero projections there, and zero logits at unlabelled positions when the
+  model computes its loss. `skip_padding=False` in the config computes them as other libraries do.
 - Attention weights are normalised in float32 when the model runs in bf16/fp16, so that the softmax
   keeps its precision; masked positions get the dtype's minimum, never -inf, so a fully masked row
   gives uniform weights instead of NaN.
@@ -185,6 +191,39 @@ def scaled_dot_product_attention(
     return output, weights
 
 
+def at_positions(function, hidden_states: torch.Tensor, index: torch.Tensor | None) -> torch.Tensor:
+    """`function` (a position-wise map: a Linear, the FFN) applied only at the flat positions `index`
+    of hidden_states (B, L, D_in), zeros elsewhere; (B, L, D_out). All of them when `index` is None.
+
+    Padding is a third of a typical batch of sentences; the matrix products at padded positions,
+    most of the model's work, would be thrown away (see `real_positions`).
+    """
+    if index is None:
+        return function(hidden_states)
+    batch, length, width = hidden_states.shape
+    picked = function(hidden_states.reshape(batch * length, width).index_select(0, index))  # (N, D_out)
+    return picked.new_zeros(batch * length, picked.shape[-1]).index_copy(0, index, picked).view(batch, length, -1)
+
+
+def real_positions(mask: torch.Tensor | None) -> torch.Tensor | None:
+    """Flat indices into (B, L) of the positions where `mask` (B, L) is nonzero: the positions to
+    compute. A row with none is computed whole, as without skipping (a fully padded source then
+    still gets uniform attention over its padding). None when that is every position."""
+    if mask is None:
+        return None
+    keep = mask.bool()
+    keep = keep | ~keep.any(1, keepdim=True)
+    if bool(keep.all()):
+        return None
+    return keep.reshape(-1).nonzero().squeeze(1)
+
+
+def prefix_lengths(mask: torch.Tensor) -> torch.Tensor:
+    """(B,): one past the last nonzero position of each row of `mask` (B, L); 0 for a row of zeros."""
+    ones = mask.bool()
+    return torch.where(ones.any(1), ones.shape[1] - ones.flip(1).int().argmax(1), 0)
+
+
 class MultiHeadAttention(nn.Module):
     """MultiHead(Q, K, V) = Concat(head_1, ..., head_h) W^O, head_i = Attention(Q W_i^Q, K W_i^K, V W_i^V) (Section 3.2.2).
 
@@ -216,11 +255,14 @@ class MultiHeadAttention(nn.Module):
         attention_bias: torch.Tensor | None = None,
         past_key_values: EncoderDecoderCache | None = None,
         output_attentions: bool = False,
+        index: torch.Tensor | None = None,
+        source_index: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """hidden_states (B, T, D) are the queries; key_value_states (B, S, D) the encoder output for
-        encoder-decoder attention, None for self-attention. Returns (B, T, D) and the weights if asked."""
+        encoder-decoder attention, None for self-attention. Returns (B, T, D) and the weights if asked.
+        `index` / `source_index`: the flat query / key positions to project (`real_positions`), None for all."""
         batch, length, _ = hidden_states.shape
-        query = self.q_proj(hidden_states).view(batch, length, self.num_heads, self.d_k).transpose(1, 2)  # (B, h, T, d_k)
+        query = at_positions(self.q_proj, hidden_states, index).view(batch, length, self.num_heads, self.d_k).transpose(1, 2)  # (B, h, T, d_k)
 
         is_cross = key_value_states is not None
         cache = None
@@ -229,9 +271,9 @@ class MultiHeadAttention(nn.Module):
         if is_cross and cache is not None and past_key_values.is_updated.get(self.layer_idx):
             key, value = cache.layers[self.layer_idx].keys, cache.layers[self.layer_idx].values
         else:
-            source = key_value_states if is_cross else hidden_states
-            key = self.k_proj(source).view(batch, -1, self.num_heads, self.d_k).transpose(1, 2)  # (B, h, S, d_k)
-            value = self.v_proj(source).view(batch, -1, self.num_heads, self.d_v).transpose(1, 2)  # (B, h, S, d_v)
+            source, kept = (key_value_states, source_index) if is_cross else (hidden_states, index)
+            key = at_positions(self.k_proj, source, kept).view(batch, -1, self.num_heads, self.d_k).transpose(1, 2)  # (B, h, S, d_k)
+            value = at_positions(self.v_proj, source, kept).view(batch, -1, self.num_heads, self.d_v).transpose(1, 2)  # (B, h, S, d_v)
             if cache is not None:
                 key, value = cache.update(key, value, self.layer_idx)  # self-attention: (B, h, P + T, d)
                 if is_cross:
@@ -251,7 +293,7 @@ class MultiHeadAttention(nn.Module):
             dropout=self.attention_dropout if self.training else 0.0,
         )
         output = output.reshape(batch, length, self.num_heads * self.d_v)  # Concat(head_1..head_h): (B, T, h*d_v)
-        return self.out_proj(output), (weights if output_attentions else None)
+        return at_positions(self.out_proj, output, index), (weights if output_attentions else None)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -294,11 +336,18 @@ class EncoderLayer(GradientCheckpointingLayer):
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(
-        self, hidden_states: torch.Tensor, attention_bias: torch.Tensor | None = None, output_attentions: bool = False
+        self,
+        hidden_states: torch.Tensor,
+        attention_bias: torch.Tensor | None = None,
+        output_attentions: bool = False,
+        index: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        attended, weights = self.self_attn(hidden_states, attention_bias=attention_bias, output_attentions=output_attentions)
+        attended, weights = self.self_attn(
+            hidden_states, attention_bias=attention_bias, output_attentions=output_attentions, index=index
+        )
         hidden_states = self.self_attn_norm(hidden_states + self.dropout(attended))
-        hidden_states = self.feed_forward_norm(hidden_states + self.dropout(self.feed_forward(hidden_states)))
+        fed = at_positions(self.feed_forward, hidden_states, index)
+        hidden_states = self.feed_forward_norm(hidden_states + self.dropout(fed))
         return hidden_states, weights
 
 
@@ -324,18 +373,21 @@ class DecoderLayer(GradientCheckpointingLayer):
         cross_attention_bias: torch.Tensor | None = None,
         past_key_values: EncoderDecoderCache | None = None,
         output_attentions: bool = False,
+        index: torch.Tensor | None = None,
+        source_index: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         attended, self_weights = self.self_attn(
             hidden_states, attention_bias=self_attention_bias, past_key_values=past_key_values,
-            output_attentions=output_attentions,
+            output_attentions=output_attentions, index=index,
         )
         hidden_states = self.self_attn_norm(hidden_states + self.dropout(attended))
         attended, cross_weights = self.cross_attn(
             hidden_states, key_value_states=encoder_hidden_states, attention_bias=cross_attention_bias,
-            past_key_values=past_key_values, output_attentions=output_attentions,
+            past_key_values=past_key_values, output_attentions=output_attentions, index=index, source_index=source_index,
         )
         hidden_states = self.cross_attn_norm(hidden_states + self.dropout(attended))
-        hidden_states = self.feed_forward_norm(hidden_states + self.dropout(self.feed_forward(hidden_states)))
+        fed = at_positions(self.feed_forward, hidden_states, index)
+        hidden_states = self.feed_forward_norm(hidden_states + self.dropout(fed))
         return hidden_states, self_weights, cross_weights
 
 
@@ -414,10 +466,12 @@ class Encoder(nn.Module):
 
         embedded, hidden_states = self.embeddings(input_ids, inputs_embeds)
         bias = attention_bias(attention_mask, source.shape[1], source.shape[1], causal=False, dtype=embedded.dtype)
+        # Padded keys are masked for every query, so padded positions need not be computed at all.
+        index = real_positions(attention_mask) if self.config.skip_padding else None
         all_hidden = [embedded] if output_hidden_states else None
         all_weights = [] if output_attentions else None
         for layer in self.layers:
-            hidden_states, weights = layer(hidden_states, bias, output_attentions=output_attentions)
+            hidden_states, weights = layer(hidden_states, bias, output_attentions=output_attentions, index=index)
             if output_hidden_states:
                 all_hidden.append(hidden_states)
             if output_attentions:
@@ -454,8 +508,12 @@ class Decoder(nn.Module):
         output_attentions: bool | None = None,
         output_hidden_states: bool | None = None,
         return_dict: bool | None = None,
+        lengths: torch.Tensor | None = None,
         **kwargs,
     ) -> BaseModelOutputWithPastAndCrossAttentions | tuple:
+        """`lengths` (B,): only the first lengths[b] target positions of each row matter (the rest are
+        padding after the last label); with causal attention no earlier position sees the rest, so they
+        are not computed. Also read from the last 1 of `attention_mask`. Ignored when decoding with a cache."""
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Decoder: pass exactly one of decoder_input_ids and decoder_inputs_embeds.")
         if encoder_hidden_states is None:
@@ -490,6 +548,14 @@ class Decoder(nn.Module):
         cross_bias = self._cross_attention_bias(
             encoder_attention_mask, encoder_hidden_states.shape[1], embedded.dtype, past_key_values
         )
+        index = source_index = None
+        if self.config.skip_padding and past_key_values is None:
+            if attention_mask is not None:
+                ends = prefix_lengths(attention_mask)
+                lengths = ends if lengths is None else torch.minimum(lengths, ends)
+            if lengths is not None:
+                index = real_positions(torch.arange(length, device=target.device)[None, :] < lengths[:, None])
+            source_index = real_positions(encoder_attention_mask)
         all_hidden = [embedded] if output_hidden_states else None
         all_self, all_cross = ([], []) if output_attentions else (None, None)
         for layer in self.layers:
@@ -500,6 +566,8 @@ class Decoder(nn.Module):
                 cross_bias,
                 past_key_values=past_key_values,
                 output_attentions=output_attentions,
+                index=index,
+                source_index=source_index,
             )
             if output_hidden_states:
                 all_hidden.append(hidden_states)
@@ -619,8 +687,11 @@ class VaswaniModel(VaswaniPreTrainedModel):
         output_attentions: bool | None = None,
         output_hidden_states: bool | None = None,
         return_dict: bool | None = None,
+        decoder_lengths: torch.Tensor | None = None,
         **kwargs,
     ) -> Seq2SeqModelOutput | tuple:
+        """`decoder_lengths` (B,): target positions at and after decoder_lengths[b] are padding whose outputs
+        are not needed (VaswaniForConditionalGeneration passes one past the last label); see `Decoder`."""
         if decoder_input_ids is None and decoder_inputs_embeds is None:
             raise ValueError(
                 "Pass decoder_input_ids (the target shifted right, starting with decoder_start_token_id="
@@ -650,6 +721,7 @@ class VaswaniModel(VaswaniPreTrainedModel):
             output_attentions=output_attentions,
             output_hidden_states=output_hidden_states,
             return_dict=True,
+            lengths=decoder_lengths,
         )
         output = Seq2SeqModelOutput(
             last_hidden_state=decoder_outputs.last_hidden_state,
@@ -786,9 +858,13 @@ class VaswaniForConditionalGeneration(VaswaniPreTrainedModel, GenerationMixin):
         **kwargs,
     ) -> Seq2SeqLMOutput | tuple:
         return_dict = self.config.return_dict if return_dict is None else return_dict
+        labelled = decoder_lengths = None
         if labels is not None:
             real = labels[labels != -100]
             check_token_ids(real, self.config.target_vocab_size, "labels")
+            if self.config.skip_padding:  # only labelled positions, and those before them, need computing
+                labelled = real_positions(labels.ne(-100))
+                decoder_lengths = prefix_lengths(labels.ne(-100))
             use_cache = False
             if decoder_input_ids is None and decoder_inputs_embeds is None:
                 decoder_input_ids = self.prepare_decoder_input_ids_from_labels(labels)
@@ -807,14 +883,22 @@ class VaswaniForConditionalGeneration(VaswaniPreTrainedModel, GenerationMixin):
             output_attentions=output_attentions,
             output_hidden_states=output_hidden_states,
             return_dict=True,
+            decoder_lengths=decoder_lengths,
         )
-        logits = self.lm_head(outputs.last_hidden_state)  # (B, T, D) -> (B, T, V)
-        if self.config.final_logits_bias:
-            logits = logits + self.final_logits_bias
+        hidden = outputs.last_hidden_state  # (B, T, D)
+        if labelled is None:
+            picked_labels, logits = labels, self._project(hidden)  # (B, T, V)
+            picked = logits
+        else:  # the projection, the largest product of all, only at labelled positions; zero logits elsewhere
+            batch, length, _ = hidden.shape
+            picked = self._project(hidden.reshape(batch * length, -1).index_select(0, labelled))  # (N, V)
+            logits = picked.new_zeros(batch * length, picked.shape[-1]).index_copy(0, labelled, picked)
+            logits = logits.view(batch, length, -1)
+            picked_labels = labels.reshape(-1).index_select(0, labelled)
         loss = None
         if labels is not None:
             loss = nn.functional.cross_entropy(
-                logits.float().view(-1, logits.shape[-1]), labels.to(logits.device).view(-1), ignore_index=-100
+                picked.float().reshape(-1, picked.shape[-1]), picked_labels.to(picked.device).reshape(-1), ignore_index=-100
             )
         output = Seq2SeqLMOutput(
             loss=loss,
@@ -828,6 +912,11 @@ class VaswaniForConditionalGeneration(VaswaniPreTrainedModel, GenerationMixin):
             encoder_attentions=outputs.encoder_attentions,
         )
         return output if return_dict else output.to_tuple()
+
+    def _project(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The pre-softmax linear transformation (Section 3.4), plus Marian's fixed bias where configured."""
+        logits = self.lm_head(hidden)
+        return logits + self.final_logits_bias if self.config.final_logits_bias else logits
 
     def prepare_decoder_input_ids_from_labels(self, labels: torch.Tensor) -> torch.Tensor:
         return shift_tokens_right(labels, self.config.pad_token_id, self.config.decoder_start_token_id)

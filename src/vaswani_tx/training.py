@@ -176,13 +176,12 @@ def label_smoothed_loss(
     """
     if not 0.0 <= epsilon < 1.0:
         raise ValueError(f"label smoothing epsilon must be in [0, 1), got {epsilon}")
-    log_probs = torch.log_softmax(logits.float(), dim=-1)  # (B, T, V)
     keep = labels.ne(ignore_index)  # (B, T)
-    safe_labels = labels.masked_fill(~keep, 0)
-    nll = -log_probs.gather(-1, safe_labels.unsqueeze(-1)).squeeze(-1)  # (B, T)
-    uniform = -log_probs.mean(dim=-1)  # (B, T): cross-entropy against 1/V everywhere
-    per_token = (1.0 - epsilon) * nll + epsilon * uniform
-    total = per_token.masked_fill(~keep, 0.0).sum()
+    # Only labelled rows: the softmax over V at padded positions would be a third of the work, thrown away.
+    log_probs = torch.log_softmax(logits[keep].float(), dim=-1)  # (N, V)
+    nll = -log_probs.gather(-1, labels[keep].unsqueeze(-1)).squeeze(-1)  # (N,)
+    uniform = -log_probs.mean(dim=-1)  # (N,): cross-entropy against 1/V everywhere
+    total = ((1.0 - epsilon) * nll + epsilon * uniform).sum()
     denominator = keep.sum() if num_items_in_batch is None else num_items_in_batch
     if torch.is_tensor(denominator):
         denominator = denominator.to(total.device)
