@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from vaswani_tx import VaswaniForConditionalGeneration, modeling_vaswani
-from vaswani_tx.quantization import is_quantized_int8, quantize_int8
+from vaswani_tx.quantization import Int8Linear, is_quantized_int8, quantize_int8
 
 from test_modeling import batch, tiny_model  # the model tests' tiny odd-sized model and padded batch
 
@@ -54,7 +54,8 @@ def test_int8_model_stays_close_to_float32_and_decodes_the_same():
     model = tiny_model(seed=5, d_model=32, num_heads=4, d_ff=64, num_decoder_layers=2)
     quantized = quantize_int8(model)
     assert is_quantized_int8(quantized) and not is_quantized_int8(model)  # a copy; the float model is untouched
-    linears = [m for m in quantized.modules() if type(m).__name__ == "Linear" and "quantized" in type(m).__module__]
+    linears = [m for m in quantized.modules() if isinstance(m, Int8Linear)]
+    assert not any(isinstance(m, torch.nn.Linear) for m in quantized.modules())
     assert len(linears) == 2 * (4 + 2) + 2 * (4 + 4 + 2) + 1  # every projection and FFN layer, and the pre-softmax one
     ids, mask = batch(lengths=(9, 6, 7))
     decoder_ids = torch.tensor([[2, 5, 9, 11]] * 3)
@@ -65,6 +66,18 @@ def test_int8_model_stays_close_to_float32_and_decodes_the_same():
     assert error.mean() < 0.03 * reference.std() and error.max() < 0.15 * reference.std()  # 8 bits: ~1% typical
     kwargs = dict(input_ids=ids, attention_mask=mask, num_beams=1, max_new_tokens=8)
     torch.testing.assert_close(quantized.generate(**kwargs), model.generate(**kwargs))
+
+
+def test_int8_linear_equals_torch_dynamic_quantized_linear():
+    """The shorter forward calls the same kernel with the same arguments: bit-identical outputs."""
+    from torch.ao.nn.quantized.dynamic import Linear as DynamicQuantizedLinear
+
+    model = quantize_int8(tiny_model(seed=2))
+    x = torch.randn(5, 3, 24)
+    for module in (model.model.encoder.layers[0].self_attn.q_proj, model.lm_head):
+        assert type(module) is Int8Linear
+        stock = DynamicQuantizedLinear.forward(module, x)
+        assert torch.equal(module(x), stock)
 
 
 def test_int8_refuses_a_model_that_is_not_float32():
