@@ -202,6 +202,11 @@ def at_positions(function, hidden_states: torch.Tensor, index: torch.Tensor | No
         return function(hidden_states)
     batch, length, width = hidden_states.shape
     picked = function(hidden_states.reshape(batch * length, width).index_select(0, index))  # (N, D_out)
+    return scatter_positions(picked, index, batch, length)
+
+
+def scatter_positions(picked: torch.Tensor, index: torch.Tensor, batch: int, length: int) -> torch.Tensor:
+    """Rows `picked` (N, D) put back at the flat positions `index` of a (B, L, D) tensor of zeros."""
     return picked.new_zeros(batch * length, picked.shape[-1]).index_copy(0, index, picked).view(batch, length, -1)
 
 
@@ -860,11 +865,11 @@ class VaswaniForConditionalGeneration(VaswaniPreTrainedModel, GenerationMixin):
         return_dict = self.config.return_dict if return_dict is None else return_dict
         labelled = decoder_lengths = None
         if labels is not None:
-            real = labels[labels != -100]
-            check_token_ids(real, self.config.target_vocab_size, "labels")
+            has_label = labels.ne(-100)
+            check_token_ids(labels[has_label], self.config.target_vocab_size, "labels")
             if self.config.skip_padding:  # only labelled positions, and those before them, need computing
-                labelled = real_positions(labels.ne(-100))
-                decoder_lengths = prefix_lengths(labels.ne(-100))
+                labelled = real_positions(has_label)
+                decoder_lengths = prefix_lengths(has_label)
             use_cache = False
             if decoder_input_ids is None and decoder_inputs_embeds is None:
                 decoder_input_ids = self.prepare_decoder_input_ids_from_labels(labels)
@@ -892,8 +897,7 @@ class VaswaniForConditionalGeneration(VaswaniPreTrainedModel, GenerationMixin):
         else:  # the projection, the largest product of all, only at labelled positions; zero logits elsewhere
             batch, length, _ = hidden.shape
             picked = self._project(hidden.reshape(batch * length, -1).index_select(0, labelled))  # (N, V)
-            logits = picked.new_zeros(batch * length, picked.shape[-1]).index_copy(0, labelled, picked)
-            logits = logits.view(batch, length, -1)
+            logits = scatter_positions(picked, labelled, batch, length)  # the loss below needs `picked` itself
             picked_labels = labels.reshape(-1).index_select(0, labelled)
         loss = None
         if labels is not None:

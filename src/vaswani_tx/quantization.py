@@ -14,8 +14,9 @@ for the lookups while the pre-softmax projection uses its own int8 copy.
 This uses ``torch.ao.quantization.quantize_dynamic`` (fbgemm/x86 kernels), which PyTorch marks
 deprecated in favour of torchao; it is the int8 path that works in stock PyTorch on CPU today, and
 its deprecation warnings are silenced here rather than shown to every user. The quantized layers
-become :class:`Int8Linear`, the same module with a shorter forward (same kernel, same output). The quantized model is
-for inference only (no gradients) and is not saved with ``save_pretrained``: quantize after loading.
+become :class:`Int8Linear`, the same module with a shorter forward (same kernel, same output). The
+quantized model is for inference only (no gradients) and is not saved with ``save_pretrained``:
+quantize after loading.
 Its BLEU cost on Multi30k val, measured by ``benchmarks/bench_int8_bleu.py`` with the trained model
 (beam 4, all 1,014 sentences): 36.71 -> 36.55 sacreBLEU (-0.16), 1.45x faster on 1 thread.
 """
@@ -27,6 +28,7 @@ import warnings
 
 import torch
 from torch import nn
+from torch.ao.nn.quantized.dynamic import Linear as DynamicQuantizedLinear  # imported by torch itself already
 
 
 def quantize_int8(model: nn.Module, inplace: bool = False) -> nn.Module:
@@ -50,18 +52,12 @@ def quantize_int8(model: nn.Module, inplace: bool = False) -> nn.Module:
         warnings.filterwarnings("ignore", message=r".*(deprecated|torchao).*")
         quantize_dynamic(model, {nn.Linear: per_channel_dynamic_qconfig}, dtype=torch.qint8, inplace=True)
     for module in model.modules():
-        if type(module) is _dynamic_linear_class():
+        if type(module) is DynamicQuantizedLinear:
             module.__class__ = Int8Linear
     return model
 
 
-def _dynamic_linear_class() -> type:
-    from torch.ao.nn.quantized.dynamic import Linear as DynamicQuantizedLinear
-
-    return DynamicQuantizedLinear
-
-
-class Int8Linear(_dynamic_linear_class()):
+class Int8Linear(DynamicQuantizedLinear):
     """torch's dynamically quantized Linear with a shorter `forward`: the int8 kernel's overload called
     directly. A decoding step makes some 50 of these calls on a handful of rows, where the stock
     forward's version and dtype checks and the operator packet's Python dispatch cost 5% of the step
@@ -76,6 +72,4 @@ class Int8Linear(_dynamic_linear_class()):
 
 def is_quantized_int8(model: nn.Module) -> bool:
     """Whether `model` holds dynamically quantized int8 linear layers (from :func:`quantize_int8`)."""
-    from torch.ao.nn.quantized.dynamic import Linear as DynamicQuantizedLinear
-
     return any(isinstance(module, DynamicQuantizedLinear) for module in model.modules())
