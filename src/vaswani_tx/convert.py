@@ -214,12 +214,18 @@ def _stack_fields(settings: dict[str, Any], where: str) -> dict[str, Any]:
     )
 
 
+def _source_settings(model, model_type: str, where: str) -> dict:
+    """The source model's config as a dict, refused unless it is of `model_type`."""
+    settings = model.config.to_dict()
+    if settings.get("model_type") != model_type:
+        raise ConversionError(f"{where}: model_type={settings.get('model_type')!r}, expected {model_type!r}")
+    return settings
+
+
 def marian_to_vaswani(marian) -> VaswaniForConditionalGeneration:
     """A MarianMTModel (OPUS-MT) as our model: the same logits, up to float rounding of the permuted sums."""
-    settings = marian.config.to_dict()
     where = "MarianMTModel config"
-    if settings.get("model_type") != "marian":
-        raise ConversionError(f"{where}: model_type={settings.get('model_type')!r}, expected 'marian'")
+    settings = _source_settings(marian, "marian", where)
     fields = _stack_fields(settings, where)
     share = bool(settings.get("share_encoder_decoder_embeddings", True))
     fields.update(vocab_size=settings["vocab_size"], share_encoder_decoder_embeddings=share,
@@ -236,10 +242,8 @@ def marian_to_vaswani(marian) -> VaswaniForConditionalGeneration:
 
 def fsmt_to_vaswani(fsmt) -> VaswaniForConditionalGeneration:
     """An FSMTForConditionalGeneration (transformers' port of fairseq's WMT19 models) as our model."""
-    settings = fsmt.config.to_dict()
     where = "FSMTForConditionalGeneration config"
-    if settings.get("model_type") != "fsmt":
-        raise ConversionError(f"{where}: model_type={settings.get('model_type')!r}, expected 'fsmt'")
+    settings = _source_settings(fsmt, "fsmt", where)
     fields = _stack_fields(settings, where)
     # FSMT ties all three tables or none (FSMTModel._tied_weights_keys).
     tied = bool(settings.get("tie_word_embeddings", False))
