@@ -1,4 +1,5 @@
-"""The decoding fast paths (work done once per source, not per step) and int8 inference.
+"""The decoding fast paths (work done once per source, not per step, the static-cache step, compiled or
+not) and int8 inference.
 
 Each fast path must give exactly what the plain computation gives; speed itself is measured by
 benchmarks/bench_speed.py, never asserted here.
@@ -9,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vaswani_tx import VaswaniForConditionalGeneration, modeling_vaswani
+from vaswani_tx import VaswaniForConditionalGeneration, modeling_vaswani, static_decoding
 from vaswani_tx.quantization import Int8Linear, is_quantized_int8, quantize_int8
 
 from test_modeling import batch, tiny_model  # the model tests' tiny odd-sized model and padded batch
@@ -66,6 +67,8 @@ def test_int8_model_stays_close_to_float32_and_decodes_the_same():
     assert error.mean() < 0.03 * reference.std() and error.max() < 0.15 * reference.std()  # 8 bits: ~1% typical
     kwargs = dict(input_ids=ids, attention_mask=mask, num_beams=1, max_new_tokens=8)
     torch.testing.assert_close(quantized.generate(**kwargs), model.generate(**kwargs))
+    # The static-cache step runs int8 layers too (eagerly: Inductor does not freeze packed int8 weights).
+    torch.testing.assert_close(quantized.generate(**kwargs, cache_implementation="static"), model.generate(**kwargs))
 
 
 def test_int8_linear_equals_torch_dynamic_quantized_linear():
@@ -83,3 +86,57 @@ def test_int8_linear_equals_torch_dynamic_quantized_linear():
 def test_int8_refuses_a_model_that_is_not_float32():
     with pytest.raises(ValueError, match="float32 model"):
         quantize_int8(tiny_model().to(torch.bfloat16))
+
+
+# --- decoding with a static cache (static_decoding.py) --------------------------------------------------------------
+
+
+def decode(model, cache_implementation=None, **overrides):
+    ids, mask = batch(lengths=(8, 3, 5))
+    kwargs = dict(input_ids=ids, attention_mask=mask, num_beams=1, max_new_tokens=10, output_scores=True,
+                  return_dict_in_generate=True, cache_implementation=cache_implementation)
+    kwargs.update(overrides)
+    if kwargs["num_beams"] > 1:
+        kwargs["num_return_sequences"] = 2
+    return model.generate(**kwargs)
+
+
+def assert_same_decoding(fast, reference):
+    torch.testing.assert_close(fast.sequences, reference.sequences, rtol=0, atol=0)
+    torch.testing.assert_close(torch.stack(fast.scores), torch.stack(reference.scores), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("num_beams", [1, 3])
+def test_static_cache_step_decodes_as_the_dynamic_cache(num_beams):
+    model = tiny_model(seed=4, tie_word_embeddings=False)  # a random model that repeats itself less than most
+    reference = decode(model, num_beams=num_beams)
+    assert len(set(reference.sequences[:, 1:].flatten().tolist())) > 3
+    assert_same_decoding(decode(model, "static", num_beams=num_beams, disable_compile=True), reference)
+
+
+@pytest.mark.filterwarnings("error:Compiling the static-cache decoding step failed")  # no silent eager fallback
+def test_compiled_static_decoding_equals_eager_and_follows_the_weights():
+    """Compiling freezes the weights into the graph: a changed weight and another model of the same
+    shapes must each get a graph of their own, never a stale one."""
+    model = tiny_model(seed=3)
+    assert_same_decoding(decode(model, "static"), decode(model))
+    with torch.no_grad():
+        model.lm_head.weight.mul_(-1.0)  # the tied matrix, in place: every logit changes
+    assert_same_decoding(decode(model, "static"), decode(model))
+    other = tiny_model(seed=4, tie_word_embeddings=False)
+    assert_same_decoding(decode(other, "static", num_beams=3), decode(other, num_beams=3))
+    assert model in static_decoding._COMPILED and other in static_decoding._COMPILED
+
+
+def test_static_cache_refuses_what_it_cannot_give():
+    from transformers import StaticCache
+    from transformers.cache_utils import EncoderDecoderCache
+
+    model = tiny_model()
+    ids, mask = batch()
+    with pytest.raises(ValueError, match="output_attentions is not supported with a static cache"):
+        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3, cache_implementation="static",
+                       output_attentions=True, return_dict_in_generate=True)
+    cache = EncoderDecoderCache(StaticCache(config=model.config, max_cache_len=2), StaticCache(config=model.config, max_cache_len=7))
+    with pytest.raises(ValueError, match="static cache holds 2 target positions"):
+        model(input_ids=ids, attention_mask=mask, decoder_input_ids=torch.tensor([[2, 5, 9]] * 3), past_key_values=cache)

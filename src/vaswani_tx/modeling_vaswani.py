@@ -34,7 +34,8 @@ feed-forward size of its own (`decoder_d_ff`). Marian's and fairseq's
 sin-half/cos-half layout of the hidden dimension needs no option: conversion permutes the weights.
 
 This file is copied next to saved weights for `trust_remote_code`: it imports only torch,
-transformers, the config and the translation pipeline (which saving declares in config.json).
+transformers, the config, the translation pipeline (which saving declares in config.json) and
+static_decoding.py, the step that `generate(cache_implementation="static")` runs (compiled).
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .configuration_vaswani import VaswaniConfig
 from .pipeline_vaswani import CUSTOM_PIPELINES
+from .static_decoding import decode_with_static_cache, is_static_cache
 
 # ---------------------------------------------------------------------------------------------------
 # 3.5 Positional encoding
@@ -863,6 +865,12 @@ class VaswaniForConditionalGeneration(VaswaniPreTrainedModel, GenerationMixin):
         **kwargs,
     ) -> Seq2SeqLMOutput | tuple:
         return_dict = self.config.return_dict if return_dict is None else return_dict
+        if labels is None and use_cache is not False and is_static_cache(past_key_values):
+            output = self._forward_static_cache(
+                input_ids, attention_mask, decoder_input_ids, decoder_attention_mask, encoder_outputs,
+                past_key_values, inputs_embeds, decoder_inputs_embeds, output_attentions, output_hidden_states,
+            )
+            return output if return_dict else output.to_tuple()
         labelled = decoder_lengths = None
         if labels is not None:
             has_label = labels.ne(-100)
@@ -917,6 +925,38 @@ class VaswaniForConditionalGeneration(VaswaniPreTrainedModel, GenerationMixin):
         )
         return output if return_dict else output.to_tuple()
 
+    def _forward_static_cache(
+        self, input_ids, attention_mask, decoder_input_ids, decoder_attention_mask, encoder_outputs,
+        past_key_values, inputs_embeds, decoder_inputs_embeds, output_attentions, output_hidden_states,
+    ) -> Seq2SeqLMOutput:
+        """Decoding with transformers' StaticCache (`generate(cache_implementation="static")`): see static_decoding.py."""
+        unsupported = {
+            "decoder_inputs_embeds": decoder_inputs_embeds is not None,
+            "output_attentions": bool(output_attentions),
+            "output_hidden_states": bool(output_hidden_states),
+            # generate() passes its own 4D causal mask over the cache, which the step rebuilds from the position.
+            "a decoder_attention_mask with zeros": decoder_attention_mask is not None and decoder_attention_mask.dim() == 2
+            and not bool(decoder_attention_mask.all()),
+        }
+        for name, given in unsupported.items():
+            if given:
+                raise ValueError(
+                    f"{name} is not supported with a static cache (cache_implementation='static'); "
+                    "decode with the default dynamic cache instead."
+                )
+        if decoder_input_ids is None:
+            raise ValueError("Decoding with a static cache needs decoder_input_ids.")
+        check_token_ids(decoder_input_ids, self.config.target_vocab_size, "decoder_input_ids")
+        if input_ids is not None and attention_mask is None and self.config.pad_token_id is not None:
+            attention_mask = input_ids.ne(self.config.pad_token_id).long()
+        if encoder_outputs is None:
+            encoder_outputs = self.model.encoder(input_ids=input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds)
+        elif not isinstance(encoder_outputs, BaseModelOutput):
+            encoder_outputs = BaseModelOutput(last_hidden_state=encoder_outputs[0])
+        encoder_hidden_states = encoder_outputs.last_hidden_state
+        logits = decode_with_static_cache(self, decoder_input_ids, encoder_hidden_states, attention_mask, past_key_values)
+        return Seq2SeqLMOutput(logits=logits, past_key_values=past_key_values, encoder_last_hidden_state=encoder_hidden_states)
+
     def _project(self, hidden: torch.Tensor) -> torch.Tensor:
         """The pre-softmax linear transformation (Section 3.4), plus Marian's fixed bias where configured."""
         logits = self.lm_head(hidden)
@@ -963,7 +1003,17 @@ class VaswaniForConditionalGeneration(VaswaniPreTrainedModel, GenerationMixin):
             kwargs["max_length"] = prefix + int(limits.max())
             cap = SourceLengthCap(limits, self.config.eos_token_id)
             logits_processor = LogitsProcessorList([*(logits_processor or []), cap])
-        return super().generate(inputs, generation_config=generation_config, logits_processor=logits_processor, **kwargs)
+        # With a static cache, forward() runs static_decoding's step, compiled unless disable_compile.
+        self._compile_static_decoding = not kwargs.get("disable_compile", getattr(config, "disable_compile", False))
+        try:
+            return super().generate(inputs, generation_config=generation_config, logits_processor=logits_processor, **kwargs)
+        finally:
+            self._compile_static_decoding = False
+
+    def _valid_auto_compile_criteria(self, model_kwargs: dict, generation_config: GenerationConfig) -> bool:
+        """Never compile the whole forward (transformers would, on GPU, with a static cache): the static-cache
+        path compiles its own decoding step, and forward's input checks would break the graph."""
+        return False
 
     def _source_lengths(self, input_ids: torch.Tensor | None, attention_mask: torch.Tensor | None) -> torch.Tensor | None:
         """Source lengths in tokens, end-of-sentence included, from the attention mask or the padding."""

@@ -22,7 +22,7 @@ from .paper import DEPARTURES_FROM_THE_PAPER
 TEMPLATE = Path(__file__).with_name("templates") / "model_card_template.md"
 REQUIRED_FILES = (
     "config.json", "generation_config.json", "model.safetensors", "configuration_vaswani.py", "modeling_vaswani.py",
-    "pipeline_vaswani.py", "tokenizer.json", "tokenizer_config.json", "README.md",
+    "pipeline_vaswani.py", "static_decoding.py", "tokenizer.json", "tokenizer_config.json", "README.md",
 )
 
 # Options whose VaswaniConfig default is the paper's: a model that changes one lists it in its card.
