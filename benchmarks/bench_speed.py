@@ -13,7 +13,8 @@ Measured, each in a fresh process with warm-up excluded:
 - decoding tokens/s: greedy and beam 4 at batch 1 and 8, exactly `--new-tokens` new tokens per
   sentence (min = max), for ours, MarianMT, ours with int8 linears (`quantize_int8`), and
   CTranslate2 fed with each model (ours through `export_ct2`, Marian through CTranslate2's own
-  Marian loader), float32 and int8;
+  Marian loader), float32 and int8; "ours-static" is ours with `cache_implementation="static"`, whose
+  decoding step is compiled during the warm-up run (its time is recorded as `warmup_s`);
 - peak memory: the process' peak resident set size (model loaded, then the runs).
 Each figure is the median over `--repeats` timed runs (times `--rounds`), with min and max; the
 implementations of one setting run back to back, and `--rounds` repeats the whole plan, so that load
@@ -203,13 +204,18 @@ def measure_decoding(job: dict, paths: dict[str, str]) -> list[float]:
         mask = (source != PAD).long()
         source = pad_for(job["model"], source)
 
+        # ours-static: a static cache, and the decoding step compiled for it (compiled in the warm-up run).
+        extra = {"cache_implementation": "static"} if job["model"] == "ours-static" else {}
+
         def decode():
             with torch.inference_mode():
                 out = model.generate(input_ids=source, attention_mask=mask, num_beams=beams, do_sample=False,
-                                     max_new_tokens=new_tokens, min_new_tokens=new_tokens)
+                                     max_new_tokens=new_tokens, min_new_tokens=new_tokens, **extra)
             assert out.shape[1] == new_tokens + 1
 
+    start = time.perf_counter()
     decode()  # warm-up
+    job["warmup_s"] = round(time.perf_counter() - start, 2)
     speeds = []
     for _ in range(job["repeats"]):
         start = time.perf_counter()
@@ -281,8 +287,9 @@ def plan(args) -> list[dict]:
     return jobs
 
 
-MODELS = ("ours", "ours-full", "marian", "ours-int8", "ct2-ours", "ct2-marian", "ct2-ours-int8", "ct2-marian-int8")
-RATIOS = {"ours": "marian", "ours-full": "marian", "ours-int8": "ct2-ours-int8", "ct2-ours": "ct2-marian", "ct2-ours-int8": "ct2-marian-int8"}
+MODELS = ("ours", "ours-full", "ours-static", "marian", "ours-int8", "ct2-ours", "ct2-marian", "ct2-ours-int8", "ct2-marian-int8")
+RATIOS = {"ours": "marian", "ours-full": "marian", "ours-static": "marian", "ours-int8": "ct2-ours-int8",
+          "ct2-ours": "ct2-marian", "ct2-ours-int8": "ct2-marian-int8"}
 
 
 def merge_rounds(results: list[dict]) -> list[dict]:

@@ -252,3 +252,12 @@ def test_int8_decoding_quantizes_the_linear_layers(tiny_translator, capsys):
     assert cli_main(["translate", str(tiny_translator[0]), LINES[0], "--int8", "--num-beams", "1",
                      "--max-length-offset", "4", "--quiet"]) == 0
     assert capsys.readouterr().out == outputs[0] + "\n"
+
+
+def test_static_cache_option_translates_as_the_default_cache(tiny_translator, capsys):
+    arguments = ["translate", str(tiny_translator[0]), LINES[0], LINES[2], "--num-beams", "2", "--max-length-offset", "4",
+                 "--quiet"]
+    assert cli_main(arguments) == 0
+    expected = capsys.readouterr().out
+    assert cli_main([*arguments, "--static-cache"]) == 0
+    assert capsys.readouterr().out == expected

@@ -60,7 +60,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .configuration_vaswani import VaswaniConfig
 from .pipeline_vaswani import CUSTOM_PIPELINES
-from .static_decoding import decode_with_static_cache, is_static_cache
+from .static_decoding import decode_with_static_cache, is_static_cache, reorder_static_cache
 
 # ---------------------------------------------------------------------------------------------------
 # 3.5 Positional encoding
@@ -969,6 +969,9 @@ class VaswaniForConditionalGeneration(VaswaniPreTrainedModel, GenerationMixin):
         """Beam search: reorder only the self-attention keys and values. A beam is only ever replaced by a
         beam of the same source, and all beams of one source share its encoder-decoder keys and values,
         so reordering those (half of the cache, every step) would copy them onto themselves."""
+        if is_static_cache(past_key_values):
+            reorder_static_cache(past_key_values, beam_idx)
+            return past_key_values
         past_key_values.self_attention_cache.reorder_cache(beam_idx)
         return past_key_values
 

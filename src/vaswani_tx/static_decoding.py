@@ -2,13 +2,14 @@
 
 An engineering path, not the paper's: the maths is the decoder of Section 3 one target position at a
 time, exactly as with the default (dynamic) cache, and tests hold the two to the same tokens. What
-changes is the shape of the work. Every step is one call of `decode_step` on tensors whose shapes do
-not change during a `generate` call: the keys and values of past positions sit in the cache's
-preallocated (B, h, P_max, d) tensors, the positions not yet written are masked, and the
-encoder-decoder keys and values are computed once per source before the first step. Fixed shapes let
-`torch.compile` turn the step into one graph; on CPU it is compiled with Inductor's weight freezing
-and its C++ GEMM template, whose small-row matrix products run about twice as fast as MKL's on the
-decoder's 1 to 32 rows (see benchmarks/), and Python's per-operator overhead goes with the graph.
+changes is the shape of the work. Every step is one call of `decode_step`: the keys and values of
+past positions sit in the cache's preallocated (P_max, B, h, d) tensors and the step sees the
+written prefix of them (a view, no copy), the encoder-decoder keys and values are computed once per
+source before the first step, and nothing is allocated or concatenated per step. That lets
+`torch.compile` turn the step into one graph, compiled once for any batch, source and prefix length;
+on CPU with Inductor's weight freezing and its C++ GEMM template, whose small-row matrix products run
+about twice as fast as MKL's on the decoder's rows (see benchmarks/), and Python's per-operator
+overhead goes with the graph.
 
 Costs, which the README's speed section measures: the first call compiles (tens of seconds, cached
 on disk by Inductor for later processes); the compiled step holds its own packed copy of the decoder
@@ -31,8 +32,12 @@ from torch import nn
 from transformers.cache_utils import DynamicLayer, EncoderDecoderCache, StaticLayer
 
 # Freezing makes the weights constants, which lets Inductor pack them once for its own GEMM kernels
-# (max_autotune picks, per product, between those and ATen's). Only on CPU: elsewhere the defaults.
-CPU_INDUCTOR_OPTIONS = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"}
+# (max_autotune picks, per product, between those and ATen's, without printing its timings). Only on
+# CPU: elsewhere the defaults.
+CPU_INDUCTOR_OPTIONS = {
+    "freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN",
+    "autotune_num_choices_displayed": 0, "max_autotune_report_choices_stats": False,
+}
 
 
 def is_static_cache(cache) -> bool:
@@ -47,23 +52,27 @@ def cached_attention(
     hidden_states: torch.Tensor,
     keys: torch.Tensor,
     values: torch.Tensor,
-    bias: torch.Tensor,
-    position: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    is_self_attention: bool = False,
 ) -> torch.Tensor:
     """MultiHead(Q, K, V) (Section 3.2.2) for one new position per row against cached keys and values.
 
-    hidden_states (B, 1, D); keys (B, h, L, d_k), values (B, h, L, d_v); bias (B or 1, 1, 1, L), additive.
-    With `position` (1,), this is self-attention: the new key and value are first written at that
-    position of the cache, in place. Returns W^O applied to the heads, (B, 1, D).
+    hidden_states (B, 1, D); keys (B, h, L, d_k), values (B, h, L, d_v); bias (B, 1, 1, L), additive.
+    Self-attention (`is_self_attention`): keys (L, B, h, d_k) and values (L, B, h, d_v), position-major,
+    so that the written prefix of the cache is a contiguous view; the last of the L positions is the
+    new one, whose key and value are written there first, in place. Returns W^O applied to the heads, (B, 1, D).
     """
     batch, heads = hidden_states.shape[0], attention.num_heads
     query = attention.q_proj(hidden_states).view(batch, 1, heads, attention.d_k).transpose(1, 2)  # (B, h, 1, d_k)
-    if position is not None:
-        keys.index_copy_(2, position, attention.k_proj(hidden_states).view(batch, 1, heads, attention.d_k).transpose(1, 2))
-        values.index_copy_(2, position, attention.v_proj(hidden_states).view(batch, 1, heads, attention.d_v).transpose(1, 2))
+    if is_self_attention:
+        keys[-1].copy_(attention.k_proj(hidden_states).view(batch, heads, attention.d_k))
+        values[-1].copy_(attention.v_proj(hidden_states).view(batch, heads, attention.d_v))
+        keys, values = keys.permute(1, 2, 0, 3), values.permute(1, 2, 0, 3)  # (B, h, L, d)
     # Equation 1 written out: for one query per row, two batched products and a softmax that the compiler
     # fuses are several times faster than the SDPA kernel, which is built for long query blocks.
-    scores = torch.matmul(query, keys.transpose(-1, -2)) * attention.scaling + bias  # (B, h, 1, L)
+    scores = torch.matmul(query, keys.transpose(-1, -2)) * attention.scaling  # (B, h, 1, L)
+    if bias is not None:
+        scores = scores + bias
     weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
     output = torch.matmul(weights, values)  # (B, h, 1, d_v)
     return attention.out_proj(output.transpose(1, 2).reshape(batch, 1, heads * attention.d_v))  # Concat(heads) W^O
@@ -72,7 +81,6 @@ def cached_attention(
 def decode_step(
     model: nn.Module,
     tokens: torch.Tensor,
-    position: torch.Tensor,
     position_encoding: torch.Tensor,
     self_keys: list[torch.Tensor],
     self_values: list[torch.Tensor],
@@ -80,24 +88,22 @@ def decode_step(
     cross_values: list[torch.Tensor],
     cross_bias: torch.Tensor,
 ) -> torch.Tensor:
-    """Logits (B, 1, V) for the target position `position` (1,), whose input tokens are `tokens` (B, 1),
-    writing that position's keys and values into `self_keys` / `self_values` (one (B, h, P_max, d) per layer).
+    """Logits (B, 1, V) for the next target position, whose input tokens are `tokens` (B, 1).
 
-    The decoder of Section 3.1 with the same modules as `VaswaniForConditionalGeneration.forward`:
-    embedding times sqrt(D) plus `position_encoding` (1, D); per layer masked self-attention over the
-    positions written so far, encoder-decoder attention over `cross_keys` / `cross_values` (B, h, S, d)
-    with `cross_bias` (B, 1, 1, S), the FFN, each as LayerNorm(x + Sublayer(x)); then the pre-softmax projection.
+    `self_keys` / `self_values` hold, per layer, the cache's positions up to and including this one,
+    (P + 1, B, h, d): its key and value are written into the last slot. The decoder of Section 3.1 with
+    the modules `VaswaniForConditionalGeneration.forward` uses: embedding times sqrt(D) plus
+    `position_encoding` (1, D); per layer self-attention over those positions (all earlier, so no
+    mask), encoder-decoder attention over `cross_keys` / `cross_values` (B, h, S, d) with `cross_bias`
+    (B, 1, 1, S), the FFN, each as LayerNorm(x + Sublayer(x)); then the pre-softmax projection.
     """
     decoder = model.model.decoder
     embeddings = decoder.embeddings
     hidden = embeddings.embed_tokens(tokens) * embeddings.embed_scale + position_encoding  # (B, 1, D)
-    written = torch.arange(self_keys[0].shape[2], device=tokens.device) <= position  # (P_max,): this and earlier positions
-    self_bias = torch.zeros(written.shape, dtype=hidden.dtype, device=hidden.device)
-    self_bias = self_bias.masked_fill(~written, torch.finfo(hidden.dtype).min)[None, None, None, :]  # (1, 1, 1, P_max)
     for layer, keys, values, source_keys, source_values in zip(
         decoder.layers, self_keys, self_values, cross_keys, cross_values
     ):
-        hidden = layer.self_attn_norm(hidden + cached_attention(layer.self_attn, hidden, keys, values, self_bias, position))
+        hidden = layer.self_attn_norm(hidden + cached_attention(layer.self_attn, hidden, keys, values, is_self_attention=True))
         hidden = layer.cross_attn_norm(hidden + cached_attention(layer.cross_attn, hidden, source_keys, source_values, cross_bias))
         hidden = layer.feed_forward_norm(hidden + layer.feed_forward(hidden))
     return model._project(hidden)
@@ -138,12 +144,13 @@ def compiled_decode_step(model: nn.Module):
     return step
 
 
-def _initialise(layer: StaticLayer, keys: torch.Tensor, values: torch.Tensor, length: int) -> None:
-    """Fill a StaticLayer ourselves: transformers' own lazy initialisation marks its tensors as static
-    addresses, which makes dynamo guard on their identity and recompile for every new cache."""
+def _initialise(layer, keys: torch.Tensor, values: torch.Tensor, length: int, position_major: bool = False) -> None:
+    """Fill a cache layer ourselves: transformers' own lazy initialisation marks its tensors as static
+    addresses, which makes dynamo guard on their identity and recompile for every new cache. The
+    self-attention layers are position-major, (P_max, B, h, d): only this module reads them."""
     layer.keys, layer.values = keys, values
     layer.dtype, layer.device = keys.dtype, keys.device
-    layer.batch_size, layer.num_heads = keys.shape[:2]
+    layer.batch_size, layer.num_heads = keys.shape[1:3] if position_major else keys.shape[:2]
     layer.k_head_dim, layer.v_head_dim = keys.shape[-1], values.shape[-1]
     layer.cumulative_length = torch.tensor(length, device=keys.device)
     layer.is_initialized = True
@@ -169,9 +176,9 @@ def _prepare(model: nn.Module, cache: EncoderDecoderCache, batch: int, encoder_h
         cross_cache.layers.append(DynamicLayer())
     for layer, self_layer, cross_layer in zip(layers, self_cache.layers, cross_cache.layers):
         attention = layer.self_attn
-        shape = (batch, attention.num_heads, length)
+        shape = (length, batch, attention.num_heads)
         _initialise(self_layer, torch.zeros(*shape, attention.d_k, dtype=dtype, device=device),
-                    torch.zeros(*shape, attention.d_v, dtype=dtype, device=device), 0)
+                    torch.zeros(*shape, attention.d_v, dtype=dtype, device=device), 0, position_major=True)
         attention = layer.cross_attn
         keys = attention.k_proj(encoder_hidden_states).view(batch, source_length, attention.num_heads, attention.d_k)
         values = attention.v_proj(encoder_hidden_states).view(batch, source_length, attention.num_heads, attention.d_v)
@@ -186,6 +193,28 @@ def _prepare(model: nn.Module, cache: EncoderDecoderCache, batch: int, encoder_h
     if getattr(model, "_compile_static_decoding", False) and not packed:
         step = compiled_decode_step(model)
     return {"cross_bias": bias, "step": step}
+
+
+def dynamic_sizes(arguments: tuple) -> None:
+    """One graph for any number of rows, prefix length and source length: translating a test set gives
+    batches of every size, and a graph per size would mean a compilation per batch."""
+    tokens, _, self_keys, self_values, cross_keys, cross_values, cross_bias = arguments
+    for tensor in (tokens, cross_bias, *self_keys, *self_values, *cross_keys, *cross_values):
+        torch._dynamo.maybe_mark_dynamic(tensor, 0)
+    for tensor in (*self_keys, *self_values):
+        torch._dynamo.maybe_mark_dynamic(tensor, 1)
+    for tensor in (*cross_keys, *cross_values):
+        torch._dynamo.maybe_mark_dynamic(tensor, 2)
+    torch._dynamo.maybe_mark_dynamic(cross_bias, 3)
+
+
+def reorder_static_cache(cache: EncoderDecoderCache, beam_idx: torch.LongTensor) -> None:
+    """Beam search: reorder the written positions of the self-attention cache only (the rest is unused)."""
+    for layer in cache.self_attention_cache.layers:
+        written = int(layer.cumulative_length) if layer.is_initialized else 0
+        if written:
+            layer.keys[:written] = layer.keys[:written].index_select(1, beam_idx)
+            layer.values[:written] = layer.values[:written].index_select(1, beam_idx)
 
 
 def decode_with_static_cache(
@@ -214,19 +243,22 @@ def decode_with_static_cache(
             )
         arguments = (
             decoder_input_ids[:, t : t + 1],
-            torch.tensor([written], device=decoder_input_ids.device),
             positions(1, written, like=encoder_hidden_states),
-            [layer.keys for layer in self_layers],
-            [layer.values for layer in self_layers],
+            [layer.keys[: written + 1] for layer in self_layers],  # contiguous views: the step writes the last slot
+            [layer.values[: written + 1] for layer in self_layers],
             [layer.keys for layer in cross_layers],
             [layer.values for layer in cross_layers],
             state["cross_bias"],
         )
+        # The first position (one slot) runs eagerly: a prefix of one would be a graph of its own.
+        step = decode_step if written == 0 else state["step"]
+        if written == 1:
+            dynamic_sizes(arguments)
         try:
-            logits.append(state["step"](model, *arguments))
+            logits.append(step(model, *arguments))
         except (torch._dynamo.exc.TorchDynamoException, RuntimeError, OSError) as error:
             # No C++ compiler, a platform Inductor does not support: the same step, eagerly.
-            if state["step"] is decode_step:
+            if step is decode_step:
                 raise
             warnings.warn(f"Compiling the static-cache decoding step failed ({error}); decoding eagerly.", stacklevel=2)
             state["step"] = decode_step

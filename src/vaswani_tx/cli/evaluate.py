@@ -95,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
         "max_output_length_offset": args.max_length_offset if args.max_length_offset is not None
         else getattr(generation, "max_output_length_offset", None),
         "device": str(translator.device), "dtype": str(translator.model.dtype).removeprefix("torch."), "int8": args.int8,
-        "decoding_seconds": round(seconds, 2), "hypotheses": str(hypothesis_file),
+        "static_cache": args.static_cache, "decoding_seconds": round(seconds, 2), "hypotheses": str(hypothesis_file),
     }
     scores_file = output_dir / f"{name}.scores.json"
     scores_file.write_text(json.dumps({**settings, **results}, indent=1, default=float) + "\n", encoding="utf-8")
