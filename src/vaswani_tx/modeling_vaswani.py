@@ -865,6 +865,8 @@ class VaswaniForConditionalGeneration(VaswaniPreTrainedModel, GenerationMixin):
         **kwargs,
     ) -> Seq2SeqLMOutput | tuple:
         return_dict = self.config.return_dict if return_dict is None else return_dict
+        if input_ids is not None and attention_mask is None and self.config.pad_token_id is not None:
+            attention_mask = input_ids.ne(self.config.pad_token_id).long()
         if labels is None and use_cache is not False and is_static_cache(past_key_values):
             output = self._forward_static_cache(
                 input_ids, attention_mask, decoder_input_ids, decoder_attention_mask, encoder_outputs,
@@ -881,8 +883,6 @@ class VaswaniForConditionalGeneration(VaswaniPreTrainedModel, GenerationMixin):
             use_cache = False
             if decoder_input_ids is None and decoder_inputs_embeds is None:
                 decoder_input_ids = self.prepare_decoder_input_ids_from_labels(labels)
-        if input_ids is not None and attention_mask is None and self.config.pad_token_id is not None:
-            attention_mask = input_ids.ne(self.config.pad_token_id).long()
         outputs = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -947,8 +947,6 @@ class VaswaniForConditionalGeneration(VaswaniPreTrainedModel, GenerationMixin):
         if decoder_input_ids is None:
             raise ValueError("Decoding with a static cache needs decoder_input_ids.")
         check_token_ids(decoder_input_ids, self.config.target_vocab_size, "decoder_input_ids")
-        if input_ids is not None and attention_mask is None and self.config.pad_token_id is not None:
-            attention_mask = input_ids.ne(self.config.pad_token_id).long()
         if encoder_outputs is None:
             encoder_outputs = self.model.encoder(input_ids=input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds)
         elif not isinstance(encoder_outputs, BaseModelOutput):

@@ -31,6 +31,9 @@ import torch
 from torch import nn
 from transformers.cache_utils import DynamicLayer, EncoderDecoderCache, StaticLayer
 
+# The model imports this module; a module reference (not names) lets the two import each other.
+from . import modeling_vaswani as modeling
+
 # Freezing makes the weights constants, which lets Inductor pack them once for its own GEMM kernels
 # (max_autotune picks, per product, between those and ATen's, without printing its timings). Only on
 # CPU: elsewhere the defaults.
@@ -68,14 +71,10 @@ def cached_attention(
         keys[-1].copy_(attention.k_proj(hidden_states).view(batch, heads, attention.d_k))
         values[-1].copy_(attention.v_proj(hidden_states).view(batch, heads, attention.d_v))
         keys, values = keys.permute(1, 2, 0, 3), values.permute(1, 2, 0, 3)  # (B, h, L, d)
-    # Equation 1 written out: for one query per row, two batched products and a softmax that the compiler
-    # fuses are several times faster than the SDPA kernel, which is built for long query blocks.
-    scores = torch.matmul(query, keys.transpose(-1, -2)) * attention.scaling  # (B, h, 1, L)
-    if bias is not None:
-        scores = scores + bias
-    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
-    output = torch.matmul(weights, values)  # (B, h, 1, d_v)
-    return attention.out_proj(output.transpose(1, 2).reshape(batch, 1, heads * attention.d_v))  # Concat(heads) W^O
+    # The model's eager Equation 1: for one query per row, two batched products and a softmax that the
+    # compiler fuses are several times faster than the SDPA kernel, which is built for long query blocks.
+    output, _ = modeling.scaled_dot_product_attention(attention, query, keys, values, bias, scaling=attention.scaling)
+    return attention.out_proj(output.reshape(batch, 1, heads * attention.d_v))  # Concat(heads) W^O: (B, h, 1, d_v) -> (B, 1, D)
 
 
 def decode_step(
@@ -160,8 +159,6 @@ def _prepare(model: nn.Module, cache: EncoderDecoderCache, batch: int, encoder_h
              encoder_attention_mask: torch.Tensor | None) -> dict:
     """Before the first step of a cache: allocate the self-attention tensors, compute the encoder-decoder
     keys and values and the source mask once per source, and choose the step (compiled or not)."""
-    from .modeling_vaswani import attention_bias  # the model imports this module
-
     layers = model.model.decoder.layers
     self_cache, cross_cache = cache.self_attention_cache, cache.cross_attention_cache
     if len(self_cache.layers) != len(layers):
@@ -184,7 +181,7 @@ def _prepare(model: nn.Module, cache: EncoderDecoderCache, batch: int, encoder_h
         values = attention.v_proj(encoder_hidden_states).view(batch, source_length, attention.num_heads, attention.d_v)
         _initialise(cross_layer, keys.transpose(1, 2).contiguous(), values.transpose(1, 2).contiguous(), source_length)
         cache.is_updated[layer.cross_attn.layer_idx] = True
-    bias = attention_bias(encoder_attention_mask, 1, source_length, causal=False, dtype=dtype)
+    bias = modeling.attention_bias(encoder_attention_mask, 1, source_length, causal=False, dtype=dtype)
     if bias is None:  # one graph for masked and unmasked sources
         bias = torch.zeros(batch, 1, 1, source_length, dtype=dtype, device=device)
     step = decode_step
