@@ -114,6 +114,41 @@ def test_static_cache_step_decodes_as_the_dynamic_cache(num_beams):
     assert_same_decoding(decode(model, "static", num_beams=num_beams, disable_compile=True), reference)
 
 
+def test_rows_per_source_finds_runs_of_identical_sources_and_nothing_else():
+    states = torch.randn(3, 5, 4)
+    mask = torch.ones(3, 5, dtype=torch.long)
+    beams = states.repeat_interleave(4, dim=0)  # as generate() lays out 3 sources x 4 beams
+    assert static_decoding.rows_per_source(beams, mask.repeat_interleave(4, dim=0)) == 4
+    assert static_decoding.rows_per_source(beams, None) == 4
+    assert static_decoding.rows_per_source(states, mask) == 1
+    assert static_decoding.rows_per_source(states[:1].expand(6, 5, 4), None) == 6  # one source, six rows
+    assert static_decoding.rows_per_source(beams.roll(1, dims=0), None) == 1  # runs out of step: shared nowhere
+    masks = mask.repeat_interleave(4, dim=0)
+    masks[5, -1] = 0  # same encoder output, another mask: not the same source
+    assert static_decoding.rows_per_source(beams, masks) == 1
+    assert static_decoding.rows_per_source(torch.cat([states[:1]] * 2 + [states[1:2]] * 3), None) == 1  # runs of 2, 3
+    assert static_decoding.rows_per_source(torch.cat([states[:1]] * 2 + [states[1:2]] * 4), None) == 2  # 2, 2, 2: exact
+
+
+def test_static_beam_search_computes_encoder_decoder_keys_once_per_source(monkeypatch):
+    """Beam search repeats each source once per beam; the static cache keeps its keys and values once
+    per source, and starts the beams with one computed first position, with the same result."""
+    shared_rows = []
+    original = static_decoding._first_position_per_source
+
+    def counting(model, rows, arguments, self_layers):
+        shared_rows.append(rows)
+        return original(model, rows, arguments, self_layers)
+
+    monkeypatch.setattr(static_decoding, "_first_position_per_source", counting)
+    model = tiny_model(seed=4, tie_word_embeddings=False)
+    fast = decode(model, "static", num_beams=3, disable_compile=True)  # 3 sources, 3 beams, 2 returned
+    assert_same_decoding(fast, decode(model, num_beams=3))
+    assert shared_rows == [3]
+    assert fast.past_key_values.cross_attention_cache.layers[0].keys.shape[0] == 3
+    assert fast.past_key_values.self_attention_cache.layers[0].keys.shape[1] == 9  # position-major, one row per beam
+
+
 @pytest.mark.filterwarnings("error:Compiling the static-cache decoding step failed")  # no silent eager fallback
 def test_compiled_static_decoding_equals_eager_and_follows_the_weights():
     """Compiling freezes the weights into the graph: a changed weight and another model of the same

@@ -5,8 +5,10 @@ time, exactly as with the default (dynamic) cache, and tests hold the two to the
 changes is the shape of the work. Every step is one call of `decode_step`: the keys and values of
 past positions sit in the cache's preallocated (P_max, B, h, d) tensors and the step sees the
 written prefix of them (a view, no copy), the encoder-decoder keys and values are computed once per
-source before the first step, and nothing is allocated or concatenated per step. That lets
-`torch.compile` turn the step into one graph, compiled once for any batch, source and prefix length;
+source before the first step (once per sentence, not per beam: the beams of a sentence attend to them
+as one block of queries, and start from one computed first position), and nothing is allocated or
+concatenated per step. That lets `torch.compile` turn the step into one graph, compiled once for any
+batch, source and prefix length (one each for greedy and beam search, and for a batch of one);
 on CPU with Inductor's weight freezing and its C++ GEMM template, whose small-row matrix products run
 about twice as fast as MKL's on the decoder's rows (see benchmarks/), and Python's per-operator
 overhead goes with the graph.
@@ -60,21 +62,25 @@ def cached_attention(
 ) -> torch.Tensor:
     """MultiHead(Q, K, V) (Section 3.2.2) for one new position per row against cached keys and values.
 
-    hidden_states (B, 1, D); keys (B, h, L, d_k), values (B, h, L, d_v); bias (B, 1, 1, L), additive.
+    hidden_states (B, 1, D); keys (G, h, L, d_k), values (G, h, L, d_v); bias (G, 1, 1, L), additive; G
+    divides B, and the B / G consecutive rows of each of the G key rows (the beams of one source) share it.
     Self-attention (`is_self_attention`): keys (L, B, h, d_k) and values (L, B, h, d_v), position-major,
     so that the written prefix of the cache is a contiguous view; the last of the L positions is the
     new one, whose key and value are written there first, in place. Returns W^O applied to the heads, (B, 1, D).
     """
     batch, heads = hidden_states.shape[0], attention.num_heads
-    query = attention.q_proj(hidden_states).view(batch, 1, heads, attention.d_k).transpose(1, 2)  # (B, h, 1, d_k)
     if is_self_attention:
         keys[-1].copy_(attention.k_proj(hidden_states).view(batch, heads, attention.d_k))
         values[-1].copy_(attention.v_proj(hidden_states).view(batch, heads, attention.d_v))
         keys, values = keys.permute(1, 2, 0, 3), values.permute(1, 2, 0, 3)  # (B, h, L, d)
+    # Encoder-decoder keys may hold one row per source (G, h, S, d_k) for B = G * k rows (k beams of
+    # each source, consecutive): the k queries of a source then attend together, as one block of k.
+    groups = keys.shape[0]
+    query = attention.q_proj(hidden_states).view(groups, -1, heads, attention.d_k).transpose(1, 2)  # (G, h, k, d_k)
     # The model's eager Equation 1: for one query per row, two batched products and a softmax that the
     # compiler fuses are several times faster than the SDPA kernel, which is built for long query blocks.
     output, _ = modeling.scaled_dot_product_attention(attention, query, keys, values, bias, scaling=attention.scaling)
-    return attention.out_proj(output.reshape(batch, 1, heads * attention.d_v))  # Concat(heads) W^O: (B, h, 1, d_v) -> (B, 1, D)
+    return attention.out_proj(output.reshape(batch, 1, heads * attention.d_v))  # Concat(heads) W^O: (G, k, h, d_v) -> (B, 1, D)
 
 
 def decode_step(
@@ -93,8 +99,8 @@ def decode_step(
     (P + 1, B, h, d): its key and value are written into the last slot. The decoder of Section 3.1 with
     the modules `VaswaniForConditionalGeneration.forward` uses: embedding times sqrt(D) plus
     `position_encoding` (1, D); per layer self-attention over those positions (all earlier, so no
-    mask), encoder-decoder attention over `cross_keys` / `cross_values` (B, h, S, d) with `cross_bias`
-    (B, 1, 1, S), the FFN, each as LayerNorm(x + Sublayer(x)); then the pre-softmax projection.
+    mask), encoder-decoder attention over `cross_keys` / `cross_values` (G, h, S, d) with `cross_bias`
+    (G, 1, 1, S), one row per source (G divides B; see `rows_per_source`), the FFN, each as LayerNorm(x + Sublayer(x)); then the pre-softmax projection.
     """
     decoder = model.model.decoder
     embeddings = decoder.embeddings
@@ -155,10 +161,41 @@ def _initialise(layer, keys: torch.Tensor, values: torch.Tensor, length: int, po
     layer.is_initialized = True
 
 
+def rows_per_source(encoder_hidden_states: torch.Tensor, encoder_attention_mask: torch.Tensor | None) -> int:
+    """k when the rows come in consecutive runs of k identical sources (encoder output and mask), else 1.
+
+    Beam search repeats each source once per beam (and sampling once per returned sequence), so that
+    work done per source, rather than per row, is done k times over. Checked, not assumed: rows are
+    shared only where they are equal, which keeps the result exactly that of one row each.
+    """
+    batch = encoder_hidden_states.shape[0]
+
+    def same_as_first(row: int) -> bool:
+        return torch.equal(encoder_hidden_states[row], encoder_hidden_states[0]) and (
+            encoder_attention_mask is None or torch.equal(encoder_attention_mask[row], encoder_attention_mask[0])
+        )
+
+    rows = 1
+    while rows < batch and same_as_first(rows):
+        rows += 1
+    if rows == 1 or batch % rows:
+        return 1
+    return rows if all(
+        tensor is None or repeats_in_runs(tensor, rows) for tensor in (encoder_hidden_states, encoder_attention_mask)
+    ) else 1
+
+
+def repeats_in_runs(tensor: torch.Tensor, rows: int) -> bool:
+    """Whether `tensor`'s rows come in consecutive runs of `rows` equal rows."""
+    runs = tensor.unflatten(0, (-1, rows))
+    return torch.equal(runs, runs[:, :1].expand_as(runs))
+
+
 def _prepare(model: nn.Module, cache: EncoderDecoderCache, batch: int, encoder_hidden_states: torch.Tensor,
              encoder_attention_mask: torch.Tensor | None) -> dict:
     """Before the first step of a cache: allocate the self-attention tensors, compute the encoder-decoder
-    keys and values and the source mask once per source, and choose the step (compiled or not)."""
+    keys and values and the source mask once per source (not per beam: `rows_per_source`), and choose
+    the step (compiled or not)."""
     layers = model.model.decoder.layers
     self_cache, cross_cache = cache.self_attention_cache, cache.cross_attention_cache
     if len(self_cache.layers) != len(layers):
@@ -169,6 +206,9 @@ def _prepare(model: nn.Module, cache: EncoderDecoderCache, batch: int, encoder_h
         )
     length, dtype, device = self_cache.layers[0].max_cache_len, encoder_hidden_states.dtype, encoder_hidden_states.device
     source_length = encoder_hidden_states.shape[1]
+    rows = rows_per_source(encoder_hidden_states, encoder_attention_mask)
+    sources = encoder_hidden_states[::rows]  # (G, S, D), G = B / rows
+    groups = sources.shape[0]
     while len(cross_cache.layers) < len(layers):  # a dynamic cross-attention cache starts with no layers
         cross_cache.layers.append(DynamicLayer())
     for layer, self_layer, cross_layer in zip(layers, self_cache.layers, cross_cache.layers):
@@ -177,19 +217,20 @@ def _prepare(model: nn.Module, cache: EncoderDecoderCache, batch: int, encoder_h
         _initialise(self_layer, torch.zeros(*shape, attention.d_k, dtype=dtype, device=device),
                     torch.zeros(*shape, attention.d_v, dtype=dtype, device=device), 0, position_major=True)
         attention = layer.cross_attn
-        keys = attention.k_proj(encoder_hidden_states).view(batch, source_length, attention.num_heads, attention.d_k)
-        values = attention.v_proj(encoder_hidden_states).view(batch, source_length, attention.num_heads, attention.d_v)
+        keys = attention.k_proj(sources).view(groups, source_length, attention.num_heads, attention.d_k)
+        values = attention.v_proj(sources).view(groups, source_length, attention.num_heads, attention.d_v)
         _initialise(cross_layer, keys.transpose(1, 2).contiguous(), values.transpose(1, 2).contiguous(), source_length)
         cache.is_updated[layer.cross_attn.layer_idx] = True
-    bias = modeling.attention_bias(encoder_attention_mask, 1, source_length, causal=False, dtype=dtype)
+    source_mask = None if encoder_attention_mask is None else encoder_attention_mask[::rows]
+    bias = modeling.attention_bias(source_mask, 1, source_length, causal=False, dtype=dtype)
     if bias is None:  # one graph for masked and unmasked sources
-        bias = torch.zeros(batch, 1, 1, source_length, dtype=dtype, device=device)
+        bias = torch.zeros(groups, 1, 1, source_length, dtype=dtype, device=device)
     step = decode_step
     # int8 layers hold packed weights that Inductor cannot freeze: those models decode eagerly.
     packed = any(hasattr(module, "_packed_params") for module in model.modules())
     if getattr(model, "_compile_static_decoding", False) and not packed:
         step = compiled_decode_step(model)
-    return {"cross_bias": bias, "step": step}
+    return {"cross_bias": bias, "step": step, "rows_per_source": rows}
 
 
 def dynamic_sizes(arguments: tuple) -> None:
@@ -212,6 +253,19 @@ def reorder_static_cache(cache: EncoderDecoderCache, beam_idx: torch.LongTensor)
         if written:
             layer.keys[:written] = layer.keys[:written].index_select(1, beam_idx)
             layer.values[:written] = layer.values[:written].index_select(1, beam_idx)
+
+
+def _first_position_per_source(model: nn.Module, rows: int, arguments: tuple, self_layers: list) -> torch.Tensor:
+    """The first target position once per source when its `rows` rows (its beams) start with the same
+    token: their logits, keys and values are equal, so one row is computed (eagerly) and copied."""
+    tokens, position_encoding, self_keys, self_values, *cross = arguments
+    logits = decode_step(
+        model, tokens[::rows], position_encoding, [k[:, ::rows] for k in self_keys], [v[:, ::rows] for v in self_values], *cross
+    )
+    for layer in self_layers:  # the written rows 0, k, 2k, ... to the k - 1 rows after each
+        layer.keys[0] = layer.keys[0, ::rows].repeat_interleave(rows, dim=0)
+        layer.values[0] = layer.values[0, ::rows].repeat_interleave(rows, dim=0)
+    return logits.repeat_interleave(rows, dim=0)  # (G, 1, V) -> (B, 1, V)
 
 
 def decode_with_static_cache(
@@ -247,6 +301,12 @@ def decode_with_static_cache(
             [layer.values for layer in cross_layers],
             state["cross_bias"],
         )
+        rows = state["rows_per_source"]
+        if written == 0 and rows > 1 and repeats_in_runs(arguments[0], rows):
+            logits.append(_first_position_per_source(model, rows, arguments, self_layers))
+            for layer in self_layers:
+                layer.cumulative_length.add_(1)
+            continue
         # The first position (one slot) runs eagerly: a prefix of one would be a graph of its own.
         step = decode_step if written == 0 else state["step"]
         if written == 1:
