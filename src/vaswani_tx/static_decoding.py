@@ -13,10 +13,11 @@ on CPU with Inductor's weight freezing and its C++ GEMM template, whose small-ro
 about twice as fast as MKL's on the decoder's rows (see benchmarks/), and Python's per-operator
 overhead goes with the graph.
 
-Costs, which the README's speed section measures: the first call compiles (tens of seconds, cached
-on disk by Inductor for later processes); the compiled step holds its own packed copy of the decoder
-weights and the pre-softmax matrix; and freezing bakes the weights in, so a change to any of them
-(training on, loading a state dict) is detected and compiles again. `disable_compile=True` runs the
+Costs, which the README's speed section measures: the first call of each process compiles (tens of
+seconds; Inductor's on-disk cache cannot keep a graph that holds oneDNN-packed weights); the compiled
+step holds its own packed copy of the decoder weights and the pre-softmax matrix; and freezing bakes
+the weights in, so a change to any of them (training on, loading a state dict) is detected and
+compiles again. `disable_compile=True` runs the
 same step eagerly. Attention weights and hidden states are not returned on this path.
 
 This file travels with saved weights for `trust_remote_code` (the model imports it): torch and
