@@ -163,6 +163,17 @@ def test_compiled_static_decoding_equals_eager_and_follows_the_weights():
     assert model in static_decoding._COMPILED and other in static_decoding._COMPILED
 
 
+def test_static_decoding_falls_back_to_the_eager_step_when_compiling_fails(monkeypatch):
+    def failing_step(*arguments):
+        raise RuntimeError("no C++ compiler found")
+
+    monkeypatch.setattr(static_decoding, "compiled_decode_step", lambda model: failing_step)
+    model = tiny_model(seed=3)
+    with pytest.warns(UserWarning, match=r"Compiling the static-cache decoding step failed \(no C\+\+ compiler found\)"):
+        fast = decode(model, "static")
+    assert_same_decoding(fast, decode(model))
+
+
 def test_static_cache_refuses_what_it_cannot_give():
     from transformers import StaticCache
     from transformers.cache_utils import EncoderDecoderCache

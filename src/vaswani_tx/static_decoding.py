@@ -17,8 +17,8 @@ Costs, which the README's speed section measures: the first call of each process
 seconds; Inductor's on-disk cache cannot keep a graph that holds oneDNN-packed weights); the compiled
 step holds its own packed copy of the decoder weights and the pre-softmax matrix; and freezing bakes
 the weights in, so a change to any of them (training on, loading a state dict) is detected and
-compiles again. `disable_compile=True` runs the
-same step eagerly. Attention weights and hidden states are not returned on this path.
+compiles again. `disable_compile=True` runs the same step eagerly. Attention weights and hidden
+states are not returned on this path.
 
 This file travels with saved weights for `trust_remote_code` (the model imports it): torch and
 transformers only.
@@ -101,7 +101,8 @@ def decode_step(
     the modules `VaswaniForConditionalGeneration.forward` uses: embedding times sqrt(D) plus
     `position_encoding` (1, D); per layer self-attention over those positions (all earlier, so no
     mask), encoder-decoder attention over `cross_keys` / `cross_values` (G, h, S, d) with `cross_bias`
-    (G, 1, 1, S), one row per source (G divides B; see `rows_per_source`), the FFN, each as LayerNorm(x + Sublayer(x)); then the pre-softmax projection.
+    (G, 1, 1, S), one row per source (G divides B; see `rows_per_source`), the FFN, each as
+    LayerNorm(x + Sublayer(x)); then the pre-softmax projection.
     """
     decoder = model.model.decoder
     embeddings = decoder.embeddings
@@ -269,6 +270,23 @@ def _first_position_per_source(model: nn.Module, rows: int, arguments: tuple, se
     return logits.repeat_interleave(rows, dim=0)  # (G, 1, V) -> (B, 1, V)
 
 
+def _run_step(model: nn.Module, state: dict, written: int, arguments: tuple) -> torch.Tensor:
+    """One step through the prepared step function; the first position (one slot) eagerly, since a
+    prefix of one would be a graph of its own. A failed compilation (no C++ compiler, a platform
+    Inductor does not support) falls back to the same step, eagerly, with a warning."""
+    step = decode_step if written == 0 else state["step"]
+    if written == 1:
+        dynamic_sizes(arguments)
+    try:
+        return step(model, *arguments)
+    except (torch._dynamo.exc.TorchDynamoException, RuntimeError, OSError) as error:
+        if step is decode_step:
+            raise
+        warnings.warn(f"Compiling the static-cache decoding step failed ({error}); decoding eagerly.", stacklevel=3)
+        state["step"] = decode_step
+        return decode_step(model, *arguments)
+
+
 def decode_with_static_cache(
     model: nn.Module,
     decoder_input_ids: torch.Tensor,
@@ -305,22 +323,8 @@ def decode_with_static_cache(
         rows = state["rows_per_source"]
         if written == 0 and rows > 1 and repeats_in_runs(arguments[0], rows):
             logits.append(_first_position_per_source(model, rows, arguments, self_layers))
-            for layer in self_layers:
-                layer.cumulative_length.add_(1)
-            continue
-        # The first position (one slot) runs eagerly: a prefix of one would be a graph of its own.
-        step = decode_step if written == 0 else state["step"]
-        if written == 1:
-            dynamic_sizes(arguments)
-        try:
-            logits.append(step(model, *arguments))
-        except (torch._dynamo.exc.TorchDynamoException, RuntimeError, OSError) as error:
-            # No C++ compiler, a platform Inductor does not support: the same step, eagerly.
-            if step is decode_step:
-                raise
-            warnings.warn(f"Compiling the static-cache decoding step failed ({error}); decoding eagerly.", stacklevel=2)
-            state["step"] = decode_step
-            logits.append(decode_step(model, *arguments))
+        else:
+            logits.append(_run_step(model, state, written, arguments))
         for layer in self_layers:
             layer.cumulative_length.add_(1)
     return torch.cat(logits, dim=1)
