@@ -450,8 +450,8 @@ def test_auto_classes_are_registered(tmp_path):
     model = tiny_model()
     model.save_pretrained(tmp_path)
     files = sorted(p.name for p in tmp_path.iterdir())
-    assert files == ["config.json", "configuration_vaswani.py", "generation_config.json", "model.safetensors",
-                     "modeling_vaswani.py", "pipeline_vaswani.py", "static_decoding.py"]
+    assert files == ["config.json", "configuration_vaswani.py", "generation_config.json", "generation_vaswani.py",
+                     "model.safetensors", "modeling_vaswani.py", "pipeline_vaswani.py", "static_decoding.py"]
     saved = json.loads((tmp_path / "config.json").read_text())
     assert saved["auto_map"]["AutoModelForSeq2SeqLM"] == "modeling_vaswani.VaswaniForConditionalGeneration"
     reloaded = AutoModelForSeq2SeqLM.from_pretrained(tmp_path).eval()

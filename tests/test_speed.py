@@ -16,19 +16,23 @@ from vaswani_tx.quantization import Int8Linear, is_quantized_int8, quantize_int8
 from test_modeling import batch, tiny_model  # the model tests' tiny odd-sized model and padded batch
 
 
-def test_cross_attention_bias_is_built_once_per_source(monkeypatch):
+def test_encoder_decoder_keys_and_values_are_computed_once_per_source(monkeypatch):
+    """With the (dynamic) cache, W^K and W^V of the encoder-decoder attention run over the source once,
+    not once per step: the cache keeps them for all later positions."""
     calls = []
-    original = modeling_vaswani.attention_bias
+    original = modeling_vaswani.MultiHeadAttention.keys_values
 
-    def counting(key_mask, query_length, key_length, causal, dtype):
-        calls.append(causal)
-        return original(key_mask, query_length, key_length, causal, dtype)
+    def counting(self, states, index=None):
+        calls.append(self.is_causal)
+        return original(self, states, index)
 
-    monkeypatch.setattr(modeling_vaswani, "attention_bias", counting)
+    monkeypatch.setattr(modeling_vaswani.MultiHeadAttention, "keys_values", counting)
     ids, mask = batch()
-    tiny_model().generate(input_ids=ids, attention_mask=mask, num_beams=1, max_new_tokens=6, min_new_tokens=6)
-    assert calls.count(False) == 2  # the encoder's, and the encoder-decoder attention's once for all 6 steps
-    assert calls.count(True) == 6  # self-attention, one per step
+    model = tiny_model()
+    model.generate(input_ids=ids, attention_mask=mask, num_beams=1, max_new_tokens=6, min_new_tokens=6)
+    layers = model.config.num_decoder_layers
+    assert calls.count(False) == model.config.num_encoder_layers + layers  # encoder self-attention, cross once
+    assert calls.count(True) == 6 * layers  # decoder self-attention: the new position, every step
     # That the cached path decodes as full forwards do: test_modeling's test_generate_with_cache_equals_without.
 
 

@@ -9,13 +9,8 @@ loads in a process where this package is not installed.
 from transformers import AutoConfig, AutoModel, AutoModelForSeq2SeqLM
 
 from .configuration_vaswani import VaswaniConfig
-from .modeling_vaswani import (
-    GNMTLengthPenalty,
-    VaswaniForConditionalGeneration,
-    VaswaniModel,
-    VaswaniPreTrainedModel,
-    paper_generation_config,
-)
+from .generation_vaswani import GNMTLengthPenalty, paper_generation_config
+from .modeling_vaswani import VaswaniForConditionalGeneration, VaswaniModel, VaswaniPreTrainedModel
 
 __version__ = "0.1.0"
 

@@ -2,8 +2,8 @@
 
 The classes follow the paper's order: positional encoding (3.5), scaled dot-product and multi-head
 attention (3.2), the position-wise feed-forward network (3.3), encoder and decoder layers and stacks
-(3.1), embeddings shared with the pre-softmax projection (3.4), then the Hugging Face model classes
-and the decoding defaults of Section 6.1.
+(3.1), embeddings shared with the pre-softmax projection (3.4), then the Hugging Face model classes.
+Section 6.1's decoding (beam search settings, length penalty, output length) is generation_vaswani.py.
 
 Shape legend: B batch, S source length, T target length (new tokens this call), P cached target
 positions, h heads, d_k query/key size per head, d_v value size per head, D d_model, F d_ff, V vocabulary.
@@ -13,14 +13,14 @@ Where this file departs from the paper, and why (each is pinned by a test):
   tensor2tensor code; biases are zero; the shared embedding is N(0, D^-0.5), so that after the
   sqrt(D) scale of Section 3.4 the embeddings have unit variance, the scale's evident purpose.
 - LayerNorm epsilon is not given in the paper; 1e-5 (`layer_norm_eps`).
-- Beam search uses `generate()`'s early stopping: a sentence stops once `num_beams` hypotheses have
-  ended, the closest `generate()` comes to "terminate early when possible" (Section 6.1).
 - Padding is skipped: the position-wise maps (W^Q, W^K, W^V, W^O, the FFN, the pre-softmax
   projection) run only at the positions that can affect a result, which is the same maths for every
   real position (no real query attends to a padded key). Padded source positions and target
   positions after the last label (or the last 1 of `decoder_attention_mask`) therefore hold no
   meaningful values: zero projections there, and zero logits at unlabelled positions when the
-  model computes its loss. `skip_padding=False` in the config computes them as other libraries do.
+  model computes its loss. Which positions those are is decided once per forward (`PaddingPlan`);
+  without a plan every layer is the paper's equations over every position, and
+  `skip_padding=False` in the config computes them all, as other libraries do.
 - Attention weights are normalised in float32 when the model runs in bf16/fp16, so that the softmax
   keeps its precision; masked positions get the dtype's minimum, never -inf, so a fully masked row
   gives uniform weights instead of NaN.
@@ -34,21 +34,20 @@ feed-forward size of its own (`decoder_d_ff`). Marian's and fairseq's
 sin-half/cos-half layout of the hidden dimension needs no option: conversion permutes the weights.
 
 This file is copied next to saved weights for `trust_remote_code`: it imports only torch,
-transformers, the config, the translation pipeline (which saving declares in config.json) and
-static_decoding.py, the step that `generate(cache_implementation="static")` runs (compiled).
+transformers, the config, generation_vaswani.py (Section 6.1), the translation pipeline (which saving
+declares in config.json) and static_decoding.py, which runs `decode_step` with a static cache.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import nn
-
-from transformers import GenerationConfig, GenerationMixin, PreTrainedModel
+from transformers import PreTrainedModel
 from transformers import initialization as init
 from transformers.cache_utils import Cache, DynamicCache, EncoderDecoderCache
-from transformers.generation.logits_process import LogitsProcessor, LogitsProcessorList
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import (
     BaseModelOutput,
@@ -59,8 +58,9 @@ from transformers.modeling_outputs import (
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .configuration_vaswani import VaswaniConfig
+from .generation_vaswani import VaswaniGenerationMixin, paper_generation_config
 from .pipeline_vaswani import CUSTOM_PIPELINES
-from .static_decoding import decode_with_static_cache, is_static_cache, reorder_static_cache
+from .static_decoding import StaticDecodingCache, decode_with_static_cache, is_static_cache, reorder_static_cache
 
 # ---------------------------------------------------------------------------------------------------
 # 3.5 Positional encoding
@@ -145,7 +145,7 @@ def positional_encoding(config: VaswaniConfig) -> nn.Module:
 # ---------------------------------------------------------------------------------------------------
 
 
-def attention_bias(
+def additive_mask(
     key_mask: torch.Tensor | None, query_length: int, key_length: int, causal: bool, dtype: torch.dtype
 ) -> torch.Tensor | None:
     """Additive mask, (B or 1, 1, T, S): 0 where a query may attend, the dtype's minimum where it may not.
@@ -193,13 +193,57 @@ def scaled_dot_product_attention(
     return output, weights
 
 
+@dataclass(frozen=True)
+class PaddingPlan:
+    """The positions that can affect a result, decided once per forward (`config.skip_padding`).
+
+    Padding is a third of a typical batch of sentences, and the matrix products at padded positions,
+    most of the model's work, would be thrown away: no real query attends to a padded key, and with
+    causal attention no earlier target position sees a later one. The position-wise maps (W^Q, W^K,
+    W^V, W^O, the FFN, the pre-softmax projection) therefore run only at these positions, each a flat
+    index into (B, L), or None for all of them:
+    - `source`: real source positions;
+    - `target`: target positions up to the last label (or the last 1 of the decoder's mask);
+    - `labelled`: target positions with a label, where the loss needs logits.
+    A row with nothing real is computed whole, as without skipping (a fully padded source then still
+    gets uniform attention over its padding).
+    """
+
+    source: torch.Tensor | None = None
+    target: torch.Tensor | None = None
+    labelled: torch.Tensor | None = None
+
+    @classmethod
+    def build(
+        cls,
+        config: VaswaniConfig,
+        source_mask: torch.Tensor | None = None,
+        target_mask: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        target_length: int | None = None,
+    ) -> PaddingPlan:
+        """The plan for a batch: masks (B, L) are 1 for real tokens; `labels` (B, T) are -100 where unlabelled.
+        Without `config.skip_padding`, the empty plan: every position is computed."""
+        if not config.skip_padding:
+            return cls()
+        target = labelled = None
+        ends = None  # (B,): target positions at and after ends[b] need no output
+        if labels is not None:
+            has_label = labels.ne(-100)
+            labelled = real_positions(has_label)
+            ends = prefix_lengths(has_label)
+        if target_mask is not None:
+            mask_ends = prefix_lengths(target_mask)
+            ends = mask_ends if ends is None else torch.minimum(ends, mask_ends)
+        if ends is not None:
+            length = target_length if target_length is not None else (labels if labels is not None else target_mask).shape[1]
+            target = real_positions(torch.arange(length, device=ends.device)[None, :] < ends[:, None])
+        return cls(source=real_positions(source_mask), target=target, labelled=labelled)
+
+
 def at_positions(function, hidden_states: torch.Tensor, index: torch.Tensor | None) -> torch.Tensor:
     """`function` (a position-wise map: a Linear, the FFN) applied only at the flat positions `index`
-    of hidden_states (B, L, D_in), zeros elsewhere; (B, L, D_out). All of them when `index` is None.
-
-    Padding is a third of a typical batch of sentences; the matrix products at padded positions,
-    most of the model's work, would be thrown away (see `real_positions`).
-    """
+    of hidden_states (B, L, D_in), zeros elsewhere; (B, L, D_out). All of them when `index` is None."""
     if index is None:
         return function(hidden_states)
     batch, length, width = hidden_states.shape
@@ -214,8 +258,7 @@ def scatter_positions(picked: torch.Tensor, index: torch.Tensor, batch: int, len
 
 def real_positions(mask: torch.Tensor | None) -> torch.Tensor | None:
     """Flat indices into (B, L) of the positions where `mask` (B, L) is nonzero: the positions to
-    compute. A row with none is computed whole, as without skipping (a fully padded source then
-    still gets uniform attention over its padding). None when that is every position."""
+    compute. A row with none is computed whole. None when that is every position."""
     if mask is None:
         return None
     keep = mask.bool()
@@ -235,9 +278,11 @@ class MultiHeadAttention(nn.Module):
     """MultiHead(Q, K, V) = Concat(head_1, ..., head_h) W^O, head_i = Attention(Q W_i^Q, K W_i^K, V W_i^V) (Section 3.2.2).
 
     The h projections W_i^Q (D x d_k) are stored side by side as one D x h*d_k matrix (likewise K and
-    V); the paper's projections have no bias, and neither do these unless `attention_bias` (converted
-    Marian/fairseq checkpoints) gives each Linear its own `.bias`. Keys and values of the
+    V); the paper's projections have no bias, and neither do these unless `config.attention_bias`
+    (converted Marian/fairseq checkpoints) gives each Linear its own `.bias`. Keys and values of the
     encoder-decoder attention are computed once per source and kept in the cache during decoding.
+    `forward` attends over whole sequences (training, and decoding with transformers' caches); `step`
+    attends from one new position per row against a static cache's keys and values.
     """
 
     def __init__(self, config: VaswaniConfig, is_causal: bool = False, layer_idx: int | None = None):
@@ -246,7 +291,7 @@ class MultiHeadAttention(nn.Module):
         self.num_heads, self.d_k, self.d_v = config.num_heads, config.d_k, config.d_v
         self.scaling = self.d_k**-0.5  # 1 / sqrt(d_k)
         self.attention_dropout = config.attention_dropout
-        self.is_causal = is_causal  # read by transformers' SDPA interface
+        self.is_causal = is_causal  # the decoder's self-attention; also read by transformers' SDPA interface
         self.layer_idx = layer_idx
         d_model, h = config.d_model, config.num_heads
         bias = config.attention_bias
@@ -255,32 +300,41 @@ class MultiHeadAttention(nn.Module):
         self.v_proj = nn.Linear(d_model, h * self.d_v, bias=bias)
         self.out_proj = nn.Linear(h * self.d_v, d_model, bias=bias)  # W^O
 
+    def keys_values(self, states: torch.Tensor, index: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """K W^K and V W^V for all heads: states (B, S, D) -> keys (B, h, S, d_k), values (B, h, S, d_v)."""
+        batch = states.shape[0]
+        key = at_positions(self.k_proj, states, index).view(batch, -1, self.num_heads, self.d_k).transpose(1, 2)
+        value = at_positions(self.v_proj, states, index).view(batch, -1, self.num_heads, self.d_v).transpose(1, 2)
+        return key, value
+
     def forward(
         self,
         hidden_states: torch.Tensor,
         key_value_states: torch.Tensor | None = None,
-        attention_bias: torch.Tensor | None = None,
+        mask: torch.Tensor | None = None,
         past_key_values: EncoderDecoderCache | None = None,
         output_attentions: bool = False,
-        index: torch.Tensor | None = None,
-        source_index: torch.Tensor | None = None,
+        padding: PaddingPlan | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """hidden_states (B, T, D) are the queries; key_value_states (B, S, D) the encoder output for
-        encoder-decoder attention, None for self-attention. Returns (B, T, D) and the weights if asked.
-        `index` / `source_index`: the flat query / key positions to project (`real_positions`), None for all."""
-        batch, length, _ = hidden_states.shape
-        query = at_positions(self.q_proj, hidden_states, index).view(batch, length, self.num_heads, self.d_k).transpose(1, 2)  # (B, h, T, d_k)
-
+        encoder-decoder attention, None for self-attention; `mask` additive (`additive_mask`). Returns
+        (B, T, D) and the weights if asked."""
         is_cross = key_value_states is not None
+        query_rows = key_rows = None
+        if padding is not None:
+            query_rows = padding.target if (is_cross or self.is_causal) else padding.source
+            key_rows = padding.source if is_cross else query_rows
+        batch, length, _ = hidden_states.shape
+        query = at_positions(self.q_proj, hidden_states, query_rows)
+        query = query.view(batch, length, self.num_heads, self.d_k).transpose(1, 2)  # (B, h, T, d_k)
+
         cache = None
         if past_key_values is not None:
             cache = past_key_values.cross_attention_cache if is_cross else past_key_values.self_attention_cache
         if is_cross and cache is not None and past_key_values.is_updated.get(self.layer_idx):
             key, value = cache.layers[self.layer_idx].keys, cache.layers[self.layer_idx].values
         else:
-            source, kept = (key_value_states, source_index) if is_cross else (hidden_states, index)
-            key = at_positions(self.k_proj, source, kept).view(batch, -1, self.num_heads, self.d_k).transpose(1, 2)  # (B, h, S, d_k)
-            value = at_positions(self.v_proj, source, kept).view(batch, -1, self.num_heads, self.d_v).transpose(1, 2)  # (B, h, S, d_v)
+            key, value = self.keys_values(key_value_states if is_cross else hidden_states, key_rows)  # (B, h, S, d)
             if cache is not None:
                 key, value = cache.update(key, value, self.layer_idx)  # self-attention: (B, h, P + T, d)
                 if is_cross:
@@ -295,12 +349,40 @@ class MultiHeadAttention(nn.Module):
             query,
             key,
             value,
-            attention_bias,
+            mask,
             scaling=self.scaling,
             dropout=self.attention_dropout if self.training else 0.0,
         )
         output = output.reshape(batch, length, self.num_heads * self.d_v)  # Concat(head_1..head_h): (B, T, h*d_v)
-        return at_positions(self.out_proj, output, index), (weights if output_attentions else None)
+        return at_positions(self.out_proj, output, query_rows), (weights if output_attentions else None)
+
+    def step(
+        self,
+        hidden_states: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """MultiHead(Q, K, V) for one new position per row against cached keys and values (no dropout).
+
+        hidden_states (B, 1, D). Encoder-decoder attention: keys (G, h, S, d_k), values (G, h, S, d_v),
+        `mask` (G, 1, 1, S), where G divides B and the B / G consecutive rows of each key row (the beams
+        of one source) attend to it together, as one block of queries. Self-attention (`is_causal`):
+        keys (L, B, h, d_k) and values (L, B, h, d_v), position-major so that a cache's written prefix is
+        a contiguous view; the last of the L positions is this one, whose key and value are written there
+        first, in place. Every earlier position may be attended to, so no mask. Returns (B, 1, D).
+        """
+        batch, heads = hidden_states.shape[0], self.num_heads
+        if self.is_causal:
+            keys[-1].copy_(self.k_proj(hidden_states).view(batch, heads, self.d_k))
+            values[-1].copy_(self.v_proj(hidden_states).view(batch, heads, self.d_v))
+            keys, values = keys.permute(1, 2, 0, 3), values.permute(1, 2, 0, 3)  # (B, h, L, d)
+        groups = keys.shape[0]
+        query = self.q_proj(hidden_states).view(groups, -1, heads, self.d_k).transpose(1, 2)  # (G, h, k, d_k)
+        # The eager Equation 1: for one query per row, two batched products and a softmax that a compiler
+        # fuses are several times faster than the SDPA kernel, which is built for long query blocks.
+        output, _ = scaled_dot_product_attention(self, query, keys, values, mask, scaling=self.scaling)
+        return self.out_proj(output.reshape(batch, 1, heads * self.d_v))  # Concat(heads) W^O: (G, k, h, d_v) -> (B, 1, D)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -345,22 +427,21 @@ class EncoderLayer(GradientCheckpointingLayer):
     def forward(
         self,
         hidden_states: torch.Tensor,
-        attention_bias: torch.Tensor | None = None,
+        mask: torch.Tensor | None = None,
         output_attentions: bool = False,
-        index: torch.Tensor | None = None,
+        padding: PaddingPlan | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        attended, weights = self.self_attn(
-            hidden_states, attention_bias=attention_bias, output_attentions=output_attentions, index=index
-        )
+        attended, weights = self.self_attn(hidden_states, mask=mask, output_attentions=output_attentions, padding=padding)
         hidden_states = self.self_attn_norm(hidden_states + self.dropout(attended))
-        fed = at_positions(self.feed_forward, hidden_states, index)
+        fed = at_positions(self.feed_forward, hidden_states, padding.source if padding else None)
         hidden_states = self.feed_forward_norm(hidden_states + self.dropout(fed))
         return hidden_states, weights
 
 
 class DecoderLayer(GradientCheckpointingLayer):
     """Masked self-attention, encoder-decoder attention, then the feed-forward network, each sub-layer
-    wrapped as LayerNorm(x + Dropout(Sublayer(x))) (Section 3.1)."""
+    wrapped as LayerNorm(x + Dropout(Sublayer(x))) (Section 3.1). `forward` runs whole target sequences;
+    `step` runs one new position per row against a static cache (see `MultiHeadAttention.step`)."""
 
     def __init__(self, config: VaswaniConfig, layer_idx: int):
         super().__init__()
@@ -376,26 +457,47 @@ class DecoderLayer(GradientCheckpointingLayer):
         self,
         hidden_states: torch.Tensor,
         encoder_hidden_states: torch.Tensor,
-        self_attention_bias: torch.Tensor | None = None,
-        cross_attention_bias: torch.Tensor | None = None,
+        self_mask: torch.Tensor | None = None,
+        cross_mask: torch.Tensor | None = None,
         past_key_values: EncoderDecoderCache | None = None,
         output_attentions: bool = False,
-        index: torch.Tensor | None = None,
-        source_index: torch.Tensor | None = None,
+        padding: PaddingPlan | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         attended, self_weights = self.self_attn(
-            hidden_states, attention_bias=self_attention_bias, past_key_values=past_key_values,
-            output_attentions=output_attentions, index=index,
+            hidden_states,
+            mask=self_mask,
+            past_key_values=past_key_values,
+            output_attentions=output_attentions,
+            padding=padding,
         )
         hidden_states = self.self_attn_norm(hidden_states + self.dropout(attended))
         attended, cross_weights = self.cross_attn(
-            hidden_states, key_value_states=encoder_hidden_states, attention_bias=cross_attention_bias,
-            past_key_values=past_key_values, output_attentions=output_attentions, index=index, source_index=source_index,
+            hidden_states,
+            key_value_states=encoder_hidden_states,
+            mask=cross_mask,
+            past_key_values=past_key_values,
+            output_attentions=output_attentions,
+            padding=padding,
         )
         hidden_states = self.cross_attn_norm(hidden_states + self.dropout(attended))
-        fed = at_positions(self.feed_forward, hidden_states, index)
+        fed = at_positions(self.feed_forward, hidden_states, padding.target if padding else None)
         hidden_states = self.feed_forward_norm(hidden_states + self.dropout(fed))
         return hidden_states, self_weights, cross_weights
+
+    def step(
+        self,
+        hidden_states: torch.Tensor,
+        self_keys: torch.Tensor,
+        self_values: torch.Tensor,
+        cross_keys: torch.Tensor,
+        cross_values: torch.Tensor,
+        cross_mask: torch.Tensor,
+    ) -> torch.Tensor:
+        """The same three sub-layers for one new position per row (B, 1, D), at inference (no dropout)."""
+        hidden_states = self.self_attn_norm(hidden_states + self.self_attn.step(hidden_states, self_keys, self_values))
+        attended = self.cross_attn.step(hidden_states, cross_keys, cross_values, cross_mask)
+        hidden_states = self.cross_attn_norm(hidden_states + attended)
+        return self.feed_forward_norm(hidden_states + self.feed_forward(hidden_states))
 
 
 def check_token_ids(ids: torch.Tensor, vocab_size: int, name: str) -> None:
@@ -431,13 +533,23 @@ class Embeddings(nn.Module):
         self.embed_positions = positional_encoding(config)
         self.dropout = nn.Dropout(config.dropout)
 
-    def forward(self, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None, offset: int = 0):
+    def forward(
+        self,
+        input_ids: torch.Tensor | None,
+        inputs_embeds: torch.Tensor | None = None,
+        offset: int = 0,
+        position_encoding: torch.Tensor | None = None,
+    ):
         """Returns (embedding output before dropout, after dropout), both (B, length, D). `inputs_embeds`
-        replaces the table lookup and is scaled like it."""
+        replaces the table lookup and is scaled like it; `position_encoding` (length, D), when given,
+        replaces the encodings of positions offset, offset + 1, ... (a compiled decoding step takes them
+        as a tensor, so that the step does not depend on the position as a number)."""
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
         embedded = inputs_embeds * self.embed_scale
-        embedded = embedded + self.embed_positions(embedded.shape[1], offset, like=embedded)  # (B, L, D) + (L, D)
+        if position_encoding is None:
+            position_encoding = self.embed_positions(embedded.shape[1], offset, like=embedded)
+        embedded = embedded + position_encoding  # (B, L, D) + (L, D)
         return embedded, self.dropout(embedded)
 
 
@@ -460,8 +572,10 @@ class Encoder(nn.Module):
         output_attentions: bool | None = None,
         output_hidden_states: bool | None = None,
         return_dict: bool | None = None,
+        padding: PaddingPlan | None = None,
         **kwargs,
     ) -> BaseModelOutput | tuple:
+        """`padding`: the forward's `PaddingPlan`; built here from `attention_mask` when the encoder runs alone."""
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Encoder: pass exactly one of input_ids and inputs_embeds.")
         source = input_ids if input_ids is not None else inputs_embeds
@@ -471,14 +585,14 @@ class Encoder(nn.Module):
         output_attentions = bool(output_attentions)
         return_dict = self.config.return_dict if return_dict is None else return_dict
 
+        if padding is None:
+            padding = PaddingPlan.build(self.config, source_mask=attention_mask)
         embedded, hidden_states = self.embeddings(input_ids, inputs_embeds)
-        bias = attention_bias(attention_mask, source.shape[1], source.shape[1], causal=False, dtype=embedded.dtype)
-        # Padded keys are masked for every query, so padded positions need not be computed at all.
-        index = real_positions(attention_mask) if self.config.skip_padding else None
+        mask = additive_mask(attention_mask, source.shape[1], source.shape[1], causal=False, dtype=embedded.dtype)
         all_hidden = [embedded] if output_hidden_states else None
         all_weights = [] if output_attentions else None
         for layer in self.layers:
-            hidden_states, weights = layer(hidden_states, bias, output_attentions=output_attentions, index=index)
+            hidden_states, weights = layer(hidden_states, mask, output_attentions=output_attentions, padding=padding)
             if output_hidden_states:
                 all_hidden.append(hidden_states)
             if output_attentions:
@@ -515,12 +629,11 @@ class Decoder(nn.Module):
         output_attentions: bool | None = None,
         output_hidden_states: bool | None = None,
         return_dict: bool | None = None,
-        lengths: torch.Tensor | None = None,
+        padding: PaddingPlan | None = None,
         **kwargs,
     ) -> BaseModelOutputWithPastAndCrossAttentions | tuple:
-        """`lengths` (B,): only the first lengths[b] target positions of each row matter (the rest are
-        padding after the last label); with causal attention no earlier position sees the rest, so they
-        are not computed. Also read from the last 1 of `attention_mask`. Ignored when decoding with a cache."""
+        """`padding`: the forward's `PaddingPlan`; built here from the masks when the decoder runs alone.
+        Not used with a cache: decoding computes every position it is given."""
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Decoder: pass exactly one of decoder_input_ids and decoder_inputs_embeds.")
         if encoder_hidden_states is None:
@@ -550,31 +663,24 @@ class Decoder(nn.Module):
         if attention_mask is not None and attention_mask.shape[1] == length and past_length:
             attention_mask = torch.cat([attention_mask.new_ones(attention_mask.shape[0], past_length), attention_mask], 1)
 
+        if past_key_values is not None:
+            padding = None
+        elif padding is None:
+            padding = PaddingPlan.build(self.config, encoder_attention_mask, attention_mask, target_length=length)
         embedded, hidden_states = self.embeddings(input_ids, inputs_embeds, offset=past_length)
-        self_bias = attention_bias(attention_mask, length, past_length + length, causal=True, dtype=embedded.dtype)
-        cross_bias = self._cross_attention_bias(
-            encoder_attention_mask, encoder_hidden_states.shape[1], embedded.dtype, past_key_values
-        )
-        index = source_index = None
-        if self.config.skip_padding and past_key_values is None:
-            if attention_mask is not None:
-                ends = prefix_lengths(attention_mask)
-                lengths = ends if lengths is None else torch.minimum(lengths, ends)
-            if lengths is not None:
-                index = real_positions(torch.arange(length, device=target.device)[None, :] < lengths[:, None])
-            source_index = real_positions(encoder_attention_mask)
+        self_mask = additive_mask(attention_mask, length, past_length + length, causal=True, dtype=embedded.dtype)
+        cross_mask = self.cross_attention_mask(encoder_attention_mask, encoder_hidden_states.shape[1], embedded.dtype)
         all_hidden = [embedded] if output_hidden_states else None
         all_self, all_cross = ([], []) if output_attentions else (None, None)
         for layer in self.layers:
             hidden_states, self_weights, cross_weights = layer(
                 hidden_states,
                 encoder_hidden_states,
-                self_bias,
-                cross_bias,
+                self_mask,
+                cross_mask,
                 past_key_values=past_key_values,
                 output_attentions=output_attentions,
-                index=index,
-                source_index=source_index,
+                padding=padding,
             )
             if output_hidden_states:
                 all_hidden.append(hidden_states)
@@ -591,23 +697,12 @@ class Decoder(nn.Module):
         return output if return_dict else output.to_tuple()
 
     @staticmethod
-    def _cross_attention_bias(
-        encoder_attention_mask: torch.Tensor | None, source_length: int, dtype: torch.dtype,
-        past_key_values: EncoderDecoderCache | None,
+    def cross_attention_mask(
+        encoder_attention_mask: torch.Tensor | None, source_length: int, dtype: torch.dtype
     ) -> torch.Tensor | None:
-        """The encoder-decoder attention bias, (B, 1, 1, S), built once per source rather than once per decode step.
-
-        It is kept in the cache next to the encoder-decoder keys and values it goes with, and reused
-        exactly when those are (once the cache holds them, the source cannot change).
-        """
-        if past_key_values is not None and past_key_values.is_updated.get(0):
-            cached = getattr(past_key_values, "_cross_attention_bias", None)
-            if cached is not None and cached[0] == (source_length, dtype):
-                return cached[1]
-        bias = attention_bias(encoder_attention_mask, 1, source_length, causal=False, dtype=dtype)
-        if past_key_values is not None:
-            past_key_values._cross_attention_bias = ((source_length, dtype), bias)
-        return bias
+        """The encoder-decoder attention's additive mask, (B, 1, 1, S): every target position may attend
+        to every real source position."""
+        return additive_mask(encoder_attention_mask, 1, source_length, causal=False, dtype=dtype)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -694,11 +789,11 @@ class VaswaniModel(VaswaniPreTrainedModel):
         output_attentions: bool | None = None,
         output_hidden_states: bool | None = None,
         return_dict: bool | None = None,
-        decoder_lengths: torch.Tensor | None = None,
+        padding: PaddingPlan | None = None,
         **kwargs,
     ) -> Seq2SeqModelOutput | tuple:
-        """`decoder_lengths` (B,): target positions at and after decoder_lengths[b] are padding whose outputs
-        are not needed (VaswaniForConditionalGeneration passes one past the last label); see `Decoder`."""
+        """`padding`: the `PaddingPlan` of VaswaniForConditionalGeneration's forward, which knows the labels;
+        without one, the encoder and the decoder each plan from their masks."""
         if decoder_input_ids is None and decoder_inputs_embeds is None:
             raise ValueError(
                 "Pass decoder_input_ids (the target shifted right, starting with decoder_start_token_id="
@@ -714,6 +809,7 @@ class VaswaniModel(VaswaniPreTrainedModel):
                 output_attentions=output_attentions,
                 output_hidden_states=output_hidden_states,
                 return_dict=True,
+                padding=padding,
             )
         elif not isinstance(encoder_outputs, BaseModelOutput):
             encoder_outputs = BaseModelOutput(*encoder_outputs)
@@ -728,7 +824,7 @@ class VaswaniModel(VaswaniPreTrainedModel):
             output_attentions=output_attentions,
             output_hidden_states=output_hidden_states,
             return_dict=True,
-            lengths=decoder_lengths,
+            padding=padding,
         )
         output = Seq2SeqModelOutput(
             last_hidden_state=decoder_outputs.last_hidden_state,
@@ -751,70 +847,11 @@ def shift_tokens_right(labels: torch.Tensor, pad_token_id: int, decoder_start_to
     return shifted.masked_fill(shifted == -100, pad_token_id)
 
 
-# ---------------------------------------------------------------------------------------------------
-# 6.1 Decoding: beam 4, length penalty alpha 0.6 in the GNMT form, maximum output length input + 50
-# ---------------------------------------------------------------------------------------------------
-
-
-class GNMTLengthPenalty(float):
-    """The length penalty the paper used (Section 6.1, from Wu et al. 2016): lp(Y) = ((5 + |Y|) / 6)^alpha.
-
-    transformers' beam search divides a hypothesis' log-probability by `length ** length_penalty`.
-    This float subclass is alpha everywhere except in that one power, where it yields the GNMT form:
-    `length ** GNMTLengthPenalty(alpha) == ((5 + length) / 6) ** alpha`.
-    """
-
-    def __rpow__(self, length):
-        return ((5.0 + length) / 6.0) ** float(self)
-
-    def __repr__(self) -> str:
-        return f"GNMTLengthPenalty({float(self)!r})"
-
-
-class SourceLengthCap(LogitsProcessor):
-    """Per-sentence maximum output length: "input length + 50" (Section 6.1), not one global maximum.
-
-    `max_tokens` (B,) holds each source's limit in output tokens, end-of-sentence included; at the
-    last allowed position only `eos_token_id` remains possible. Rows of beams or of several returned
-    sequences per source are matched to their source by position (they are laid out source-major).
-    """
-
-    def __init__(self, max_tokens: torch.Tensor, eos_token_id: int):
-        self.max_tokens = max_tokens
-        self.eos_token_id = eos_token_id
-        self.prompt_length: int | None = None
-
-    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        if self.prompt_length is None:
-            self.prompt_length = input_ids.shape[1]  # the decoder start token (and any forced prefix)
-        generated = input_ids.shape[1] - self.prompt_length
-        limits = self.max_tokens.to(scores.device).repeat_interleave(input_ids.shape[0] // self.max_tokens.numel())
-        at_limit = (generated + 1 >= limits)[:, None]  # the next token is the last one allowed
-        only_eos = torch.full_like(scores, -float("inf"))
-        only_eos[:, self.eos_token_id] = 0.0
-        return torch.where(at_limit, only_eos, scores)
-
-
-def paper_generation_config(config: VaswaniConfig) -> GenerationConfig:
-    """Section 6.1 decoding: beam size 4, length penalty alpha = 0.6 (GNMT form), maximum output length
-    input length + 50, early stopping. `length_penalty_type="hf"` selects transformers' `|Y|^alpha`."""
-    return GenerationConfig(
-        num_beams=4,
-        length_penalty=0.6,
-        length_penalty_type="gnmt",
-        max_output_length_offset=50,
-        early_stopping=True,
-        bos_token_id=config.bos_token_id,
-        eos_token_id=config.eos_token_id,
-        pad_token_id=config.pad_token_id,
-        decoder_start_token_id=config.decoder_start_token_id,
-    )
-
-
-class VaswaniForConditionalGeneration(VaswaniPreTrainedModel, GenerationMixin):
+class VaswaniForConditionalGeneration(VaswaniPreTrainedModel, VaswaniGenerationMixin):
     """The Transformer with its pre-softmax linear projection, which shares its weight with both
     embeddings (Section 3.4), a cross-entropy loss over `labels` (-100 ignored; the Trainer adds the
-    label smoothing of Section 5.4) and the decoding defaults of Section 6.1 in `generation_config`."""
+    label smoothing of Section 5.4) and the decoding defaults of Section 6.1 in `generation_config`
+    (generation_vaswani.py)."""
 
     _tied_weights_keys = {"lm_head.weight": "model.shared.weight"}
 
@@ -869,20 +906,28 @@ class VaswaniForConditionalGeneration(VaswaniPreTrainedModel, GenerationMixin):
             attention_mask = input_ids.ne(self.config.pad_token_id).long()
         if labels is None and use_cache is not False and is_static_cache(past_key_values):
             output = self._forward_static_cache(
-                input_ids, attention_mask, decoder_input_ids, decoder_attention_mask, encoder_outputs,
-                past_key_values, inputs_embeds, decoder_inputs_embeds, output_attentions, output_hidden_states,
+                input_ids,
+                attention_mask,
+                decoder_input_ids,
+                decoder_attention_mask,
+                encoder_outputs,
+                past_key_values,
+                inputs_embeds,
+                decoder_inputs_embeds,
+                output_attentions,
+                output_hidden_states,
             )
             return output if return_dict else output.to_tuple()
-        labelled = decoder_lengths = None
+        padding = None
         if labels is not None:
-            has_label = labels.ne(-100)
-            check_token_ids(labels[has_label], self.config.target_vocab_size, "labels")
-            if self.config.skip_padding:  # only labelled positions, and those before them, need computing
-                labelled = real_positions(has_label)
-                decoder_lengths = prefix_lengths(has_label)
+            check_token_ids(labels[labels.ne(-100)], self.config.target_vocab_size, "labels")
             use_cache = False
             if decoder_input_ids is None and decoder_inputs_embeds is None:
                 decoder_input_ids = self.prepare_decoder_input_ids_from_labels(labels)
+            target = decoder_input_ids if decoder_input_ids is not None else decoder_inputs_embeds
+            padding = PaddingPlan.build(
+                self.config, attention_mask, decoder_attention_mask, labels, target_length=target.shape[1]
+            )
         outputs = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -896,9 +941,10 @@ class VaswaniForConditionalGeneration(VaswaniPreTrainedModel, GenerationMixin):
             output_attentions=output_attentions,
             output_hidden_states=output_hidden_states,
             return_dict=True,
-            decoder_lengths=decoder_lengths,
+            padding=padding,
         )
         hidden = outputs.last_hidden_state  # (B, T, D)
+        labelled = padding.labelled if padding is not None else None
         if labelled is None:
             picked_labels, logits = labels, self._project(hidden)  # (B, T, V)
             picked = logits
@@ -910,7 +956,9 @@ class VaswaniForConditionalGeneration(VaswaniPreTrainedModel, GenerationMixin):
         loss = None
         if labels is not None:
             loss = nn.functional.cross_entropy(
-                picked.float().reshape(-1, picked.shape[-1]), picked_labels.to(picked.device).reshape(-1), ignore_index=-100
+                picked.float().reshape(-1, picked.shape[-1]),
+                picked_labels.to(picked.device).reshape(-1),
+                ignore_index=-100,
             )
         output = Seq2SeqLMOutput(
             loss=loss,
@@ -925,9 +973,44 @@ class VaswaniForConditionalGeneration(VaswaniPreTrainedModel, GenerationMixin):
         )
         return output if return_dict else output.to_tuple()
 
+    def decode_step(
+        self,
+        tokens: torch.Tensor,
+        position_encoding: torch.Tensor,
+        self_keys: list[torch.Tensor],
+        self_values: list[torch.Tensor],
+        cross_keys: list[torch.Tensor],
+        cross_values: list[torch.Tensor],
+        cross_mask: torch.Tensor,
+    ) -> torch.Tensor:
+        """Logits (B, 1, V) for the next target position, whose input tokens are `tokens` (B, 1): the
+        decoder of Section 3.1 one position at a time, as static_decoding.py runs it (compiled or not).
+
+        `position_encoding` (1, D) is this position's; per layer, `self_keys` / `self_values` hold the
+        cache's positions up to and including this one, (P + 1, B, h, d), and this position's key and
+        value are written into the last slot; `cross_keys` / `cross_values` (G, h, S, d) and `cross_mask`
+        (G, 1, 1, S) hold the encoder-decoder attention's keys, values and mask once per source.
+        """
+        decoder = self.model.decoder
+        _, hidden = decoder.embeddings(tokens, position_encoding=position_encoding)  # (B, 1, D)
+        for layer, keys, values, source_keys, source_values in zip(
+            decoder.layers, self_keys, self_values, cross_keys, cross_values
+        ):
+            hidden = layer.step(hidden, keys, values, source_keys, source_values, cross_mask)
+        return self._project(hidden)
+
     def _forward_static_cache(
-        self, input_ids, attention_mask, decoder_input_ids, decoder_attention_mask, encoder_outputs,
-        past_key_values, inputs_embeds, decoder_inputs_embeds, output_attentions, output_hidden_states,
+        self,
+        input_ids,
+        attention_mask,
+        decoder_input_ids,
+        decoder_attention_mask,
+        encoder_outputs,
+        past_key_values,
+        inputs_embeds,
+        decoder_inputs_embeds,
+        output_attentions,
+        output_hidden_states,
     ) -> Seq2SeqLMOutput:
         """Decoding with transformers' StaticCache (`generate(cache_implementation="static")`): see static_decoding.py."""
         unsupported = {
@@ -935,7 +1018,8 @@ class VaswaniForConditionalGeneration(VaswaniPreTrainedModel, GenerationMixin):
             "output_attentions": bool(output_attentions),
             "output_hidden_states": bool(output_hidden_states),
             # generate() passes its own 4D causal mask over the cache, which the step rebuilds from the position.
-            "a decoder_attention_mask with zeros": decoder_attention_mask is not None and decoder_attention_mask.dim() == 2
+            "a decoder_attention_mask with zeros": decoder_attention_mask is not None
+            and decoder_attention_mask.dim() == 2
             and not bool(decoder_attention_mask.all()),
         }
         for name, given in unsupported.items():
@@ -948,12 +1032,22 @@ class VaswaniForConditionalGeneration(VaswaniPreTrainedModel, GenerationMixin):
             raise ValueError("Decoding with a static cache needs decoder_input_ids.")
         check_token_ids(decoder_input_ids, self.config.target_vocab_size, "decoder_input_ids")
         if encoder_outputs is None:
-            encoder_outputs = self.model.encoder(input_ids=input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds)
+            encoder_outputs = self.model.encoder(
+                input_ids=input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds
+            )
         elif not isinstance(encoder_outputs, BaseModelOutput):
             encoder_outputs = BaseModelOutput(last_hidden_state=encoder_outputs[0])
         encoder_hidden_states = encoder_outputs.last_hidden_state
-        logits = decode_with_static_cache(self, decoder_input_ids, encoder_hidden_states, attention_mask, past_key_values)
-        return Seq2SeqLMOutput(logits=logits, past_key_values=past_key_values, encoder_last_hidden_state=encoder_hidden_states)
+        if not isinstance(past_key_values, StaticDecodingCache):  # a cache made by hand: decoded eagerly
+            past_key_values = StaticDecodingCache(
+                past_key_values.self_attention_cache, past_key_values.cross_attention_cache, compile=False
+            )
+        logits = decode_with_static_cache(
+            self, decoder_input_ids, encoder_hidden_states, attention_mask, past_key_values
+        )
+        return Seq2SeqLMOutput(
+            logits=logits, past_key_values=past_key_values, encoder_last_hidden_state=encoder_hidden_states
+        )
 
     def _project(self, hidden: torch.Tensor) -> torch.Tensor:
         """The pre-softmax linear transformation (Section 3.4), plus Marian's fixed bias where configured."""
@@ -973,66 +1067,14 @@ class VaswaniForConditionalGeneration(VaswaniPreTrainedModel, GenerationMixin):
         past_key_values.self_attention_cache.reorder_cache(beam_idx)
         return past_key_values
 
-    @torch.no_grad()
-    def generate(self, inputs: torch.Tensor | None = None, generation_config: GenerationConfig | None = None,
-                 logits_processor: LogitsProcessorList | None = None, **kwargs):
-        """`GenerationMixin.generate` with the two Section 6.1 settings it lacks: the GNMT length penalty
-        (`length_penalty_type="gnmt"`) and a maximum output length of each source's length plus
-        `max_output_length_offset` tokens. Passing `max_length` or `max_new_tokens` replaces the latter
-        with that global limit; `max_output_length_offset=None` turns it off."""
-        config = generation_config if generation_config is not None else self.generation_config
-        penalty_type = kwargs.pop("length_penalty_type", getattr(config, "length_penalty_type", "hf"))
-        offset = kwargs.pop("max_output_length_offset", getattr(config, "max_output_length_offset", None))
-        if penalty_type not in ("gnmt", "hf"):
-            raise ValueError(f"length_penalty_type={penalty_type!r} is not allowed; choose 'gnmt' (the paper's) or 'hf'.")
-        if penalty_type == "gnmt":
-            kwargs["length_penalty"] = GNMTLengthPenalty(kwargs.get("length_penalty", config.length_penalty))
-
-        explicit_limit = any(kwargs.get(k) is not None for k in ("max_length", "max_new_tokens"))
-        if generation_config is not None:  # a caller's own config counts as explicit where it sets a limit
-            explicit_limit = explicit_limit or generation_config.max_new_tokens is not None or (
-                generation_config.max_length is not None and generation_config.max_length != 20
-            )
-        source_lengths = self._source_lengths(inputs if inputs is not None else kwargs.get("input_ids"),
-                                              kwargs.get("attention_mask"))
-        if offset is not None and not explicit_limit and source_lengths is not None:
-            limits = source_lengths + int(offset)  # (B,)
-            # As max_length (decoder prefix + longest cap), not max_new_tokens: a saved generation config
-            # that carries a max_length (Seq2SeqTrainer's evaluation writes its defaults into the model's)
-            # would otherwise clash with it and make generate() warn.
-            prefix = kwargs["decoder_input_ids"].shape[1] if kwargs.get("decoder_input_ids") is not None else 1
-            kwargs["max_length"] = prefix + int(limits.max())
-            cap = SourceLengthCap(limits, self.config.eos_token_id)
-            logits_processor = LogitsProcessorList([*(logits_processor or []), cap])
-        # With a static cache, forward() runs static_decoding's step, compiled unless disable_compile.
-        self._compile_static_decoding = not kwargs.get("disable_compile", getattr(config, "disable_compile", False))
-        try:
-            return super().generate(inputs, generation_config=generation_config, logits_processor=logits_processor, **kwargs)
-        finally:
-            self._compile_static_decoding = False
-
-    def _valid_auto_compile_criteria(self, model_kwargs: dict, generation_config: GenerationConfig) -> bool:
-        """Never compile the whole forward (transformers would, on GPU, with a static cache): the static-cache
-        path compiles its own decoding step, and forward's input checks would break the graph."""
-        return False
-
-    def _source_lengths(self, input_ids: torch.Tensor | None, attention_mask: torch.Tensor | None) -> torch.Tensor | None:
-        """Source lengths in tokens, end-of-sentence included, from the attention mask or the padding."""
-        if attention_mask is not None:
-            return attention_mask.sum(-1).long()
-        if input_ids is not None and input_ids.dtype == torch.long:
-            return input_ids.ne(self.config.pad_token_id).sum(-1).long()
-        return None
-
 
 __all__ = [
-    "GNMTLengthPenalty",
+    "MultiHeadAttention",
+    "PaddingPlan",
     "SinusoidalPositionalEncoding",
-    "SourceLengthCap",
     "VaswaniForConditionalGeneration",
     "VaswaniModel",
     "VaswaniPreTrainedModel",
     "fairseq_sinusoidal_table",
-    "paper_generation_config",
     "sinusoidal_table",
 ]

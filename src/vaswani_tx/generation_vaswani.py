@@ -1,0 +1,148 @@
+"""Section 6.1 decoding on top of transformers' `generate()`: beam 4, length penalty alpha = 0.6 in the
+GNMT form, and a maximum output length of each source's length + 50.
+
+`generate()` has beam search, early stopping and logits processors; what it lacks is the GNMT length
+penalty (`GNMTLengthPenalty`) and a maximum length per sentence rather than per batch
+(`SourceLengthCap`). `VaswaniGenerationMixin` adds both to `generate()` and hands a static cache
+(`cache_implementation="static"`) to static_decoding.py. No second beam search: everything else is
+transformers'.
+
+This file travels with saved weights for `trust_remote_code` (the model imports it): torch,
+transformers and static_decoding.py only.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import GenerationConfig, GenerationMixin
+from transformers.generation.logits_process import LogitsProcessor, LogitsProcessorList
+
+from .static_decoding import StaticDecodingCache, is_static_cache
+
+
+class GNMTLengthPenalty(float):
+    """The length penalty the paper used (Section 6.1, from Wu et al. 2016): lp(Y) = ((5 + |Y|) / 6)^alpha.
+
+    transformers' beam search divides a hypothesis' log-probability by `length ** length_penalty`.
+    This float subclass is alpha everywhere except in that one power, where it yields the GNMT form:
+    `length ** GNMTLengthPenalty(alpha) == ((5 + length) / 6) ** alpha`.
+    """
+
+    def __rpow__(self, length):
+        return ((5.0 + length) / 6.0) ** float(self)
+
+    def __repr__(self) -> str:
+        return f"GNMTLengthPenalty({float(self)!r})"
+
+
+class SourceLengthCap(LogitsProcessor):
+    """Per-sentence maximum output length: "input length + 50" (Section 6.1), not one global maximum.
+
+    `max_tokens` (B,) holds each source's limit in output tokens, end-of-sentence included; at the
+    last allowed position only `eos_token_id` remains possible. Rows of beams or of several returned
+    sequences per source are matched to their source by position (they are laid out source-major).
+    """
+
+    def __init__(self, max_tokens: torch.Tensor, eos_token_id: int):
+        self.max_tokens = max_tokens
+        self.eos_token_id = eos_token_id
+        self.prompt_length: int | None = None
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        if self.prompt_length is None:
+            self.prompt_length = input_ids.shape[1]  # the decoder start token (and any forced prefix)
+        generated = input_ids.shape[1] - self.prompt_length
+        limits = self.max_tokens.to(scores.device).repeat_interleave(input_ids.shape[0] // self.max_tokens.numel())
+        at_limit = (generated + 1 >= limits)[:, None]  # the next token is the last one allowed
+        only_eos = torch.full_like(scores, -float("inf"))
+        only_eos[:, self.eos_token_id] = 0.0
+        return torch.where(at_limit, only_eos, scores)
+
+
+def paper_generation_config(config) -> GenerationConfig:
+    """Section 6.1 decoding: beam size 4, length penalty alpha = 0.6 (GNMT form), maximum output length
+    input length + 50, early stopping. `length_penalty_type="hf"` selects transformers' `|Y|^alpha`."""
+    return GenerationConfig(
+        num_beams=4,
+        length_penalty=0.6,
+        length_penalty_type="gnmt",
+        max_output_length_offset=50,
+        early_stopping=True,
+        bos_token_id=config.bos_token_id,
+        eos_token_id=config.eos_token_id,
+        pad_token_id=config.pad_token_id,
+        decoder_start_token_id=config.decoder_start_token_id,
+    )
+
+
+class VaswaniGenerationMixin(GenerationMixin):
+    """`GenerationMixin` with the two Section 6.1 settings it lacks, read from the generation config
+    or passed to `generate()`: `length_penalty_type` ("gnmt", the paper's, or "hf") and
+    `max_output_length_offset` (each source's length plus this many tokens; None: no such cap)."""
+
+    @torch.no_grad()
+    def generate(
+        self,
+        inputs: torch.Tensor | None = None,
+        generation_config: GenerationConfig | None = None,
+        logits_processor: LogitsProcessorList | None = None,
+        **kwargs,
+    ):
+        """`GenerationMixin.generate` with the GNMT length penalty and a maximum output length per source.
+        Passing `max_length` or `max_new_tokens` replaces the latter with that global limit."""
+        config = generation_config if generation_config is not None else self.generation_config
+        penalty_type = kwargs.pop("length_penalty_type", getattr(config, "length_penalty_type", "hf"))
+        offset = kwargs.pop("max_output_length_offset", getattr(config, "max_output_length_offset", None))
+        if penalty_type not in ("gnmt", "hf"):
+            raise ValueError(
+                f"length_penalty_type={penalty_type!r} is not allowed; choose 'gnmt' (the paper's) or 'hf'."
+            )
+        if penalty_type == "gnmt":
+            kwargs["length_penalty"] = GNMTLengthPenalty(kwargs.get("length_penalty", config.length_penalty))
+
+        explicit_limit = any(kwargs.get(k) is not None for k in ("max_length", "max_new_tokens"))
+        if generation_config is not None:  # a caller's own config counts as explicit where it sets a limit
+            explicit_limit = explicit_limit or (
+                generation_config.max_new_tokens is not None
+                or (generation_config.max_length is not None and generation_config.max_length != 20)
+            )
+        source_lengths = self._source_lengths(
+            inputs if inputs is not None else kwargs.get("input_ids"), kwargs.get("attention_mask")
+        )
+        if offset is not None and not explicit_limit and source_lengths is not None:
+            limits = source_lengths + int(offset)  # (B,)
+            # As max_length (decoder prefix + longest cap), not max_new_tokens: a saved generation config
+            # that carries a max_length (Seq2SeqTrainer's evaluation writes its defaults into the model's)
+            # would otherwise clash with it and make generate() warn.
+            prefix = kwargs["decoder_input_ids"].shape[1] if kwargs.get("decoder_input_ids") is not None else 1
+            kwargs["max_length"] = prefix + int(limits.max())
+            cap = SourceLengthCap(limits, self.config.eos_token_id)
+            logits_processor = LogitsProcessorList([*(logits_processor or []), cap])
+        return super().generate(inputs, generation_config=generation_config, logits_processor=logits_processor, **kwargs)
+
+    def _prepare_cache_for_generation(self, generation_config: GenerationConfig, model_kwargs: dict, *args, **kwargs):
+        """transformers' cache, except that a static one becomes a `StaticDecodingCache`, which carries
+        whether its decoding step is compiled (`disable_compile` in the generation config)."""
+        super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
+        cache = model_kwargs.get("past_key_values")
+        if is_static_cache(cache) and not isinstance(cache, StaticDecodingCache):
+            model_kwargs["past_key_values"] = StaticDecodingCache(
+                cache.self_attention_cache,
+                cache.cross_attention_cache,
+                compile=not generation_config.disable_compile,
+            )
+
+    def _valid_auto_compile_criteria(self, model_kwargs: dict, generation_config: GenerationConfig) -> bool:
+        """Never compile the whole forward (transformers would, on GPU, with a static cache): the static-cache
+        path compiles its own decoding step, and forward's input checks would break the graph."""
+        return False
+
+    def _source_lengths(
+        self, input_ids: torch.Tensor | None, attention_mask: torch.Tensor | None
+    ) -> torch.Tensor | None:
+        """Source lengths in tokens, end-of-sentence included, from the attention mask or the padding."""
+        if attention_mask is not None:
+            return attention_mask.sum(-1).long()
+        if input_ids is not None and input_ids.dtype == torch.long:
+            return input_ids.ne(self.config.pad_token_id).sum(-1).long()
+        return None
