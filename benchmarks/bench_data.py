@@ -19,7 +19,14 @@ import numpy as np
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
 from vaswani_tx.data import TokenBudgetBatchSampler, iter_lines
-from vaswani_tx.tokenization import BYTE_TOKENS, SPECIAL_TOKENS, UNK_TOKEN_ID, build_normalizer, normalize, train_tokenizer
+from vaswani_tx.tokenization import (
+    BYTE_TOKENS,
+    SPECIAL_TOKENS,
+    UNK_TOKEN_ID,
+    build_normalizer,
+    normalize,
+    train_tokenizer,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -94,8 +101,8 @@ def pretokenisation_table(root: Path) -> None:
         tokenizer, trainer = candidate(kind)
         if tokenizer is None:
             chosen = train_tokenizer(train, "bpe", 8000, show_progress=False)
-            encode = lambda text: [e.ids for e in chosen.backend_tokenizer.encode_batch(text, add_special_tokens=False)]  # noqa: E731
-            decode = lambda ids: chosen.backend_tokenizer.decode_batch(ids)  # noqa: E731
+            encode = lambda text, t=chosen: [e.ids for e in t.backend_tokenizer.encode_batch(text, add_special_tokens=False)]  # noqa: E731
+            decode = lambda ids, t=chosen: t.backend_tokenizer.decode_batch(ids)  # noqa: E731
         else:
             tokenizer.train([str(path) for path in train], trainer)
             encode = lambda text, t=tokenizer: [e.ids for e in t.encode_batch(text)]  # noqa: E731

@@ -26,6 +26,7 @@ and speed.out.txt, and plotted to benchmarks/results/speed.png.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -261,10 +262,8 @@ def machine(threads: int) -> dict:
     import transformers
 
     cpu = platform.processor()
-    try:
-        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
+    with contextlib.suppress(OSError, StopIteration), open("/proc/cpuinfo") as cpuinfo:
+        cpu = next(line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name"))
     return {"cpu": cpu, "cores": os.cpu_count(), "threads": threads, "load_average": os.getloadavg(),
             "torch": torch.__version__, "transformers": transformers.__version__, "ctranslate2": ctranslate2.__version__,
             "python": platform.python_version(), "date": datetime.now(timezone.utc).isoformat(timespec="seconds")}

@@ -29,17 +29,22 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--num-beams", type=int, default=4)
     args = parser.parse_args(argv)
 
-    from transformers import (AutoModelForSeq2SeqLM, AutoTokenizer, DataCollatorForSeq2Seq, Seq2SeqTrainer,
-                              Seq2SeqTrainingArguments)
+    from transformers import (
+        AutoModelForSeq2SeqLM,
+        AutoTokenizer,
+        DataCollatorForSeq2Seq,
+        Seq2SeqTrainer,
+        Seq2SeqTrainingArguments,
+    )
 
     import vaswani_tx  # noqa: F401  (registers the Auto classes)
     from vaswani_tx.data import read_parallel_files, tokenize_pairs
     from vaswani_tx.evaluation import make_compute_metrics
-    from vaswani_tx.tokenization import check_tokenizer_matches_config
+    from vaswani_tx.tokenization import check_tokenizer_fits_model
 
     model = AutoModelForSeq2SeqLM.from_pretrained(args.model_dir)
     tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
-    check_tokenizer_matches_config(tokenizer, model.config)
+    check_tokenizer_fits_model(tokenizer, model.config)
 
     train = tokenize_pairs(read_parallel_files(args.train_source, args.train_target), tokenizer)
     dev = tokenize_pairs(read_parallel_files(args.dev_source, args.dev_target), tokenizer)

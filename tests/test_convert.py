@@ -30,7 +30,6 @@ from vaswani_tx.convert import (
     CheckpointError,
     ConversionError,
     convert,
-    export_marian,
     fairseq_to_vaswani,
     marian_to_vaswani,
     vaswani_to_marian,

@@ -72,6 +72,20 @@ def test_undecodable_bytes_in_parallel_file(tmp_path):
         data.read_parallel_files(source, target, cache_dir=tmp_path / "cache")
 
 
+def test_one_line_reader_for_corpora_and_test_sets(tmp_path):
+    """Corpora and scored files split at \\n only, drop a Windows \\r and keep a byte-order mark; a corpus
+    keeps trailing whitespace (a TSV's empty last field), a test set strips it as sacreBLEU does."""
+    from vaswani_tx.evaluation import read_lines
+
+    path = _write(tmp_path / "x.txt", "\ufeffeins\r\nzwei\u2028drei \t\n\nvier".encode())
+    assert list(data.iter_lines(path)) == ["\ufeffeins", "zwei\u2028drei \t", "", "vier"]
+    assert read_lines(path) == ["\ufeffeins", "zwei\u2028drei", "", "vier"]
+    _write(path, b"gut\nsch\xf6n\n")
+    for read in (data.iter_lines, read_lines):
+        with pytest.raises(CorpusError, match=r"x\.txt, line 2: not valid UTF-8 \(byte 0xf6 at column 4\)"):
+            list(read(path))
+
+
 def test_missing_file(tmp_path):
     with pytest.raises(FileNotFoundError, match=r"corpus file not found: .*nope\.en"):
         data.read_parallel_files(tmp_path / "nope.en", tmp_path / "nope.de")

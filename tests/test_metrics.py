@@ -166,7 +166,7 @@ def test_non_utf8_file_names_file_and_line(tmp_path):
     hyp, ref = tmp_path / "latin1.de", tmp_path / "ref.de"
     hyp.write_bytes("gut\nschön\n".encode("latin-1"))
     ref.write_text("gut\nschön\n", encoding="utf-8")
-    with pytest.raises(ValueError, match=r"latin1\.de: line 2 is not valid UTF-8 \(byte 0xf6 at column 4\)"):
+    with pytest.raises(ValueError, match=r"latin1\.de, line 2: not valid UTF-8 \(byte 0xf6 at column 4\)"):
         score_files(hyp, ref, target_lang="de")
 
 

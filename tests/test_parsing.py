@@ -112,8 +112,8 @@ def test_missing_treebank_files_are_named(tmp_path):
 
 def test_linearisation_is_vinyals_et_al(tiny_treebank):
     tree = read_treebank(tiny_treebank)[1]
-    assert linearize(tree) == "(S (NP XX )NP (VP XX )VP XX (ADVP XX )ADVP XX )S".split()
-    assert linearize(tree, tags=True) == "(S (NP PRP )NP (VP VBZ )VP , (ADVP RB )ADVP . )S".split()
+    assert linearize(tree) == ["(S", "(NP", "XX", ")NP", "(VP", "XX", ")VP", "XX", "(ADVP", "XX", ")ADVP", "XX", ")S"]
+    assert linearize(tree, tags=True) == ["(S", "(NP", "PRP", ")NP", "(VP", "VBZ", ")VP", ",", "(ADVP", "RB", ")ADVP", ".", ")S"]
     assert parsing.tree_to_example(tree) == ("It rains , again .", "(S (NP XX )NP (VP XX )VP XX (ADVP XX )ADVP XX )S")
 
 
@@ -165,7 +165,7 @@ def test_repair_of_random_sequences_always_gives_a_tree_over_the_words():
     rng = random.Random(0)
     vocabulary = ["(S", "(NP", "(VP", "(PP", ")S", ")NP", ")VP", ")PP", "XX", "XX", "(", ")", "((", "))", "(A(B",
                   "dog", "<unk>", "▁", ")XX", "(XX", "NN", "é"]
-    for trial in range(500):
+    for _ in range(500):
         words = [f"w{i}" for i in range(rng.randint(1, 12))]
         tokens = [rng.choice(vocabulary) for _ in range(rng.randint(0, 40))]
         for tags in (False, True):
@@ -246,7 +246,7 @@ def test_evaluate_module_gives_the_same_scores():
 def test_parser_configs_are_section_6_3():
     from vaswani_tx.paper import PARSER_GENERATION
     from vaswani_tx.params import load_model_config
-    from vaswani_tx.training import load_run_config
+    from vaswani_tx.recipe import load_run_config
 
     wsj = load_model_config(REPO / "configs" / "model" / "parser-wsj.json")
     assert (wsj.num_encoder_layers, wsj.num_decoder_layers, wsj.d_model, wsj.vocab_size) == (4, 4, 1024, 16000)
@@ -269,7 +269,7 @@ def test_parser_configs_are_section_6_3():
 def test_generation_block_becomes_the_saved_generation_config(tmp_path):
     from vaswani_tx import VaswaniConfig, VaswaniForConditionalGeneration
     from vaswani_tx.paper import PARSER_GENERATION
-    from vaswani_tx.training import ConfigError, set_generation_defaults
+    from vaswani_tx.recipe import ConfigError, set_generation_defaults
 
     model = VaswaniForConditionalGeneration(VaswaniConfig(vocab_size=40, d_model=16, num_heads=2, d_ff=24,
                                                           num_encoder_layers=1, num_decoder_layers=1))

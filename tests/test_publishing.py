@@ -11,7 +11,7 @@ import textwrap
 import pytest
 
 from vaswani_tx import VaswaniConfig, VaswaniForConditionalGeneration
-from vaswani_tx.publishing import REQUIRED_FILES, check_hub_folder, push_to_hub, render_model_card, save_for_hub
+from vaswani_tx.publishing import REQUIRED_FILES, check_hub_folder, render_model_card, save_for_hub
 
 CARD = dict(repo="someone/vaswani-tiny-de-en", source_lang="de", target_lang="en",
             training_data="Multi30k Task 1 train (29,000 pairs), shared BPE vocabulary.", datasets=["bentrevett/multi30k"],

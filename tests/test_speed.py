@@ -10,10 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from test_modeling import batch, tiny_model  # the model tests' tiny odd-sized model and padded batch
 from vaswani_tx import VaswaniForConditionalGeneration, modeling_vaswani, static_decoding
 from vaswani_tx.quantization import Int8Linear, is_quantized_int8, quantize_int8
-
-from test_modeling import batch, tiny_model  # the model tests' tiny odd-sized model and padded batch
 
 
 def test_encoder_decoder_keys_and_values_are_computed_once_per_source(monkeypatch):

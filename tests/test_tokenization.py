@@ -14,7 +14,7 @@ from vaswani_tx.tokenization import (
     EOS_TOKEN_ID,
     PAD_TOKEN_ID,
     UNK_TOKEN_ID,
-    check_tokenizer_matches_config,
+    check_tokenizer_fits_model,
     normalize,
     train_tokenizer,
 )
@@ -165,7 +165,7 @@ def _config(**overrides):
 
 
 def test_config_check_accepts_matching_config(joint_tokenizers):
-    check_tokenizer_matches_config(joint_tokenizers["bpe"], _config())
+    check_tokenizer_fits_model(joint_tokenizers["bpe"], _config())
 
 
 @pytest.mark.parametrize(
@@ -180,11 +180,36 @@ def test_config_check_accepts_matching_config(joint_tokenizers):
 )
 def test_config_check_refuses_clashes(joint_tokenizers, override, message):
     with pytest.raises(ValueError, match="model config and tokenizer disagree; " + message):
-        check_tokenizer_matches_config(joint_tokenizers["bpe"], _config(**override))
+        check_tokenizer_fits_model(joint_tokenizers["bpe"], _config(**override))
+
+
+class _ConvertedTokenizer(SimpleNamespace):
+    def __len__(self):
+        return self.size
+
+
+@pytest.mark.parametrize(
+    ("ids", "start", "message"),
+    [
+        (dict(bos_token_id=0, pad_token_id=1, eos_token_id=2, unk_token_id=3), 2, None),  # fairseq, FSMT: </s>
+        (dict(bos_token_id=None, pad_token_id=39, eos_token_id=0, unk_token_id=1), 39, None),  # Marian: <pad>
+        (dict(bos_token_id=0, pad_token_id=1, eos_token_id=2, unk_token_id=3), 3,
+         "decoder_start_token_id: config has 3, which is none of the tokenizer's bos 0, eos 2, pad 1"),
+    ],
+)
+def test_config_check_takes_a_converted_models_decoder_start(ids, start, message):
+    """Vocabularies without this package's fixed ids (converted models) start where their source did."""
+    tokenizer = _ConvertedTokenizer(size=40, **ids)
+    config = SimpleNamespace(vocab_size=40, decoder_start_token_id=start, **{k: v for k, v in ids.items() if k != "unk_token_id"})
+    if message is None:
+        check_tokenizer_fits_model(tokenizer, config)
+    else:
+        with pytest.raises(ValueError, match=message):
+            check_tokenizer_fits_model(tokenizer, config)
 
 
 def test_config_check_with_vaswani_config(joint_tokenizers):
     configuration = pytest.importorskip("vaswani_tx.configuration_vaswani")
-    check_tokenizer_matches_config(joint_tokenizers["bpe"], configuration.VaswaniConfig(vocab_size=4000))
+    check_tokenizer_fits_model(joint_tokenizers["bpe"], configuration.VaswaniConfig(vocab_size=4000))
     with pytest.raises(ValueError, match="vocab_size: config has 37000, tokenizer has 4000"):
-        check_tokenizer_matches_config(joint_tokenizers["bpe"], configuration.VaswaniConfig())
+        check_tokenizer_fits_model(joint_tokenizers["bpe"], configuration.VaswaniConfig())

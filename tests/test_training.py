@@ -21,21 +21,19 @@ import yaml
 from safetensors.torch import load_file
 
 import vaswani_tx  # noqa: F401  (registers the Auto classes)
+from vaswani_tx.checkpoints import (
+    SAMPLER_STATE_NAME,
+    CheckpointError,
+    average_checkpoints,
+    check_checkpoint,
+    check_sampler_state,
+    resume_checkpoint,
+)
 from vaswani_tx.configuration_vaswani import VaswaniConfig
 from vaswani_tx.modeling_vaswani import VaswaniForConditionalGeneration
 from vaswani_tx.params import load_model_config
-from vaswani_tx.training import (
-    CheckpointError,
-    ConfigError,
-    average_checkpoints,
-    check_checkpoint,
-    get_paper_schedule,
-    label_smoothed_loss,
-    load_run_config,
-    paper_learning_rate,
-    resume_checkpoint,
-    train,
-)
+from vaswani_tx.recipe import ConfigError, load_run_config, train
+from vaswani_tx.training import get_paper_schedule, label_smoothed_loss, paper_learning_rate
 
 REPO = Path(__file__).resolve().parents[1]
 PAIRS = 160
@@ -89,15 +87,15 @@ def test_schedule_rejects_step_zero():
 
 def _hand_label_smoothing(logits: list, labels: list, epsilon: float) -> float:
     total, count = 0.0, 0
-    for row_logits, row_labels in zip(logits, labels):
-        for position_logits, label in zip(row_logits, row_labels):
+    for row_logits, row_labels in zip(logits, labels, strict=True):
+        for position_logits, label in zip(row_logits, row_labels, strict=True):
             if label == -100:
                 continue
             log_z = math.log(sum(math.exp(v) for v in position_logits))
             log_p = [v - log_z for v in position_logits]
             vocab = len(log_p)
             target = [(1 - epsilon) * (k == label) + epsilon / vocab for k in range(vocab)]
-            total += -sum(t * lp for t, lp in zip(target, log_p))
+            total += -sum(t * lp for t, lp in zip(target, log_p, strict=True))
             count += 1
     return total / count
 
@@ -287,7 +285,7 @@ def test_two_processes_equal_one_process_with_the_same_global_batch(tiny_recipe,
     assert "processes: 2, gradient accumulation: 1, max_tokens: 160" in process.stdout + process.stderr
     one_losses, two_losses = _losses(one), _losses(two)
     assert [s for s, _ in one_losses] == [s for s, _ in two_losses] == [1, 2, 3, 4]
-    for (_, a), (_, b) in zip(one_losses, two_losses):
+    for (_, a), (_, b) in zip(one_losses, two_losses, strict=True):
         assert a == pytest.approx(b, rel=1e-5, abs=1e-5)
     weights_one, weights_two = load_file(one / "model.safetensors"), load_file(two / "model.safetensors")
     assert weights_one.keys() == weights_two.keys()
@@ -407,6 +405,19 @@ def test_truncated_or_corrupt_checkpoint_is_refused(tiny_recipe, tmp_path):
         resume_checkpoint(tmp_path / "run", resume=False)
 
 
+def test_resume_with_another_data_order_is_refused(tiny_recipe, tmp_path):
+    values = {**tiny_recipe, "max_steps": 2, "save_steps": 2, "output_dir": str(tmp_path / "run")}
+    train(*load_run_config(_write_config(tmp_path / "c.yaml", values)))
+    saved = json.loads((tmp_path / "run" / "checkpoint-2" / SAMPLER_STATE_NAME).read_text(encoding="utf-8"))
+    assert saved["seed"] == 3 and saved["max_tokens"] == 160 and saved["num_replicas"] == 1
+    recipe, arguments = load_run_config(_write_config(tmp_path / "c.yaml", {**values, "max_steps": 4, "data_seed": 5}))
+    with pytest.raises(CheckpointError, match="trained with seed=3, this run has seed=5"):
+        train(recipe, arguments, resume=True)
+    # a checkpoint without a saved sampler state is not checked, and no sampler is built for it
+    (tmp_path / "run" / "checkpoint-2" / SAMPLER_STATE_NAME).unlink()
+    check_sampler_state(tmp_path / "run" / "checkpoint-2", lambda: pytest.fail("built a sampler needlessly"))
+
+
 def test_tokens_per_step_sets_gradient_accumulation(tiny_recipe, tmp_path):
     values = {**tiny_recipe, "output_dir": str(tmp_path / "o"), "tokens_per_step": 25000, "max_tokens": 3125}
     _, arguments = load_run_config(_write_config(tmp_path / "c.yaml", values), world_size=1)
@@ -444,7 +455,7 @@ def test_shipped_run_configs_load_and_start_with_their_command(name):
 def test_training_flops_equal_torch_flop_counter():
     from torch.utils.flop_counter import FlopCounterMode
 
-    from vaswani_tx.training import training_flops
+    from vaswani_tx.params import training_flops
 
     config = VaswaniConfig(vocab_size=40, d_model=24, d_ff=48, num_heads=3, d_k=8, d_v=4,
                            num_encoder_layers=2, num_decoder_layers=1, dropout=0.0)
@@ -483,7 +494,7 @@ def test_evaluation_logs_dev_loss_bleu_and_the_signature(tiny_recipe, tmp_path, 
 def test_timed_checkpoint_callback_asks_for_a_save_once_the_minutes_have_passed():
     from transformers import TrainerControl, TrainerState
 
-    from vaswani_tx.training import TimedCheckpointCallback
+    from vaswani_tx.checkpoints import TimedCheckpointCallback
 
     callback = TimedCheckpointCallback(minutes=10)
     control = TrainerControl()

@@ -128,7 +128,7 @@ def test_non_utf8_input_is_refused_naming_the_line(tiny_translator, tmp_path, ca
     source = tmp_path / "latin1.de"
     source.write_bytes("Ein Hund.\nEine Stra\u00dfe.\n".encode("latin-1"))
     assert cli_main(["translate", str(tiny_translator[0]), "-i", str(source), "--quiet"]) == 2
-    assert "line 2 is not valid UTF-8 (byte 0xdf" in capsys.readouterr().err
+    assert "latin1.de, line 2: not valid UTF-8 (byte 0xdf" in capsys.readouterr().err
 
 
 def test_folders_that_are_not_a_usable_model_are_refused_clearly(tiny_translator, tmp_path, capsys):
@@ -166,8 +166,9 @@ def test_folders_that_are_not_a_usable_model_are_refused_clearly(tiny_translator
 def test_a_tokenizer_that_does_not_fit_the_model_is_refused(tiny_translator, tmp_path):
     _, _, tokenizer = tiny_translator
     for name, overrides, message in [
-        ("small", {"vocab_size": len(tokenizer) - 100}, f"tokenizer has {len(tokenizer)} tokens but the model's"),
-        ("eos", {"vocab_size": len(tokenizer), "eos_token_id": 4}, "eos_token_id: tokenizer 3, model 4"),
+        ("small", {"vocab_size": len(tokenizer) - 100}, f"vocab_size: config has {len(tokenizer) - 100}, tokenizer has {len(tokenizer)}"),
+        ("eos", {"vocab_size": len(tokenizer), "eos_token_id": 4}, "eos_token_id: config has 4, tokenizer has 3"),
+        ("large", {"vocab_size": len(tokenizer) + 100}, "100 embedding rows no token reaches"),
     ]:
         folder = tmp_path / name
         VaswaniForConditionalGeneration(VaswaniConfig(

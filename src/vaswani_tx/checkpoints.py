@@ -1,14 +1,41 @@
-"""Refusing a bad checkpoint before loading it: one error type, and a check of safetensors files.
+"""Checkpoints: refusing a bad one, resuming a run from the last good one, averaging several (Section 6.1).
 
-Light on purpose (json only): training (resume, averaging), translation (any model folder) and the
-fairseq reader all refuse checkpoints through it without pulling in each other's imports.
+- :class:`CheckpointError` and :func:`check_safetensors` refuse a truncated or corrupt model folder; the
+  translator uses them for any model folder it loads.
+- :func:`checkpoint_folders` lists a run's ``checkpoint-<step>`` folders, :func:`check_checkpoint`
+  refuses an incomplete one, :func:`resume_checkpoint` picks the one to resume from.
+- :class:`SamplerStateCallback` saves the token-budget sampler's state in each checkpoint and
+  :func:`check_sampler_state` refuses a resume whose data order would differ from it;
+  :class:`TimedCheckpointCallback` also saves every few minutes (the paper: every 10 minutes, Section 6.1).
+- :func:`average_checkpoints` averages the weights of the last checkpoints (Section 6.1: the last 5 for
+  the base models, the last 20 for the big ones).
+
+It imports neither the Trainer nor datasets, so that the translator, which needs only the first two
+names, does not load them.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
+import re
+import time
+import zipfile
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file
+from transformers import TrainerCallback
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+from transformers.utils import SAFE_WEIGHTS_NAME
+
+from vaswani_tx.modeling_vaswani import VaswaniForConditionalGeneration
+from vaswani_tx.tokenization import load_tokenizer
+
+logger = logging.getLogger(__name__)
 
 
 class CheckpointError(ValueError):
@@ -36,4 +63,247 @@ def check_safetensors(path: str | os.PathLike) -> None:
         )
 
 
-__all__ = ["CheckpointError", "check_safetensors"]
+# ---- a run's checkpoint folders ----
+
+
+_RESUME_FILES = ("trainer_state.json", "optimizer.pt", "scheduler.pt")
+
+
+def checkpoint_folders(run_dir: str | os.PathLike) -> list[Path]:
+    """The Trainer's ``checkpoint-<step>`` folders of a run, oldest (lowest step) first."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise CheckpointError(f"run folder {run_dir} does not exist")
+    found = [p for p in run_dir.iterdir() if p.is_dir() and re.fullmatch(rf"{PREFIX_CHECKPOINT_DIR}-\d+", p.name)]
+    return sorted(found, key=lambda p: int(p.name.rsplit("-", 1)[1]))
+
+
+def check_checkpoint(folder: str | os.PathLike, for_resume: bool = True) -> None:
+    """Refuse a checkpoint folder that is incomplete or truncated, before the Trainer trips over it.
+
+    Checks that the config parses, that ``model.safetensors`` has a readable header whose tensors fill
+    the file exactly, and, ``for_resume``, that the trainer state parses and that the optimizer,
+    scheduler and RNG files are complete zip archives (``torch.save``'s format; every member's CRC is read).
+    """
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise CheckpointError(f"checkpoint {folder} does not exist")
+    needed = ["config.json", SAFE_WEIGHTS_NAME, *(_RESUME_FILES if for_resume else ())]
+    missing = [name for name in needed if not (folder / name).is_file()]
+    if for_resume and not any(folder.glob("rng_state*.pth")):
+        missing.append("rng_state.pth")
+    if missing:
+        raise CheckpointError(f"checkpoint {folder} is incomplete: missing {', '.join(missing)}")
+    for name in ("config.json", *(("trainer_state.json",) if for_resume else ())):
+        try:
+            json.loads((folder / name).read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise CheckpointError(f"checkpoint {folder}: {name} is corrupt ({err})") from None
+    check_safetensors(folder / SAFE_WEIGHTS_NAME)
+    if for_resume:
+        for path in [folder / "optimizer.pt", folder / "scheduler.pt", *sorted(folder.glob("rng_state*.pth"))]:
+            try:
+                with zipfile.ZipFile(path) as archive:
+                    bad = archive.testzip()
+            except (zipfile.BadZipFile, OSError, EOFError) as err:
+                raise CheckpointError(f"checkpoint {folder}: {path.name} is truncated or corrupt ({err})") from None
+            if bad is not None:
+                raise CheckpointError(f"checkpoint {folder}: {path.name} is corrupt (bad CRC in {bad})")
+
+
+def resume_checkpoint(output_dir: str | os.PathLike, resume: bool) -> str | None:
+    """The checkpoint to resume from: the last one when ``resume``; refuses to start over an existing run."""
+    output_dir = Path(output_dir)
+    existing = checkpoint_folders(output_dir) if output_dir.is_dir() else []
+    if not resume:
+        if existing:
+            raise CheckpointError(
+                f"{output_dir} already holds {existing[-1].name}: pass --resume to continue that run, "
+                "or give another output_dir"
+            )
+        return None
+    if not existing:
+        logger.info("no checkpoint in %s: starting a new run", output_dir)
+        return None
+    # A run killed while writing a checkpoint leaves that one incomplete: fall back to the one before.
+    problems = []
+    for folder in reversed(existing):
+        try:
+            check_checkpoint(folder)
+        except CheckpointError as err:
+            logger.warning("skipping %s: %s", folder.name, err)
+            problems.append(str(err))
+            continue
+        return str(folder)
+    raise CheckpointError(f"no usable checkpoint in {output_dir} to resume from: {'; '.join(problems)}")
+
+
+# ---- the data order across a resume ----
+
+
+SAMPLER_STATE_NAME = "sampler_state.json"
+
+
+class SamplerStateCallback(TrainerCallback):
+    """Write the token-budget sampler's state into each checkpoint (``sampler_state.json``).
+
+    The Trainer resumes mid-epoch by replaying the epoch's batch order, which the sampler derives from
+    ``(seed, epoch)`` alone; this file lets a resume refuse data, seed or budget that differ from the
+    checkpoint's, which would otherwise replay a different order silently. ``trainer`` is the
+    :class:`~vaswani_tx.training.TokenBudgetSeq2SeqTrainer` being trained.
+    """
+
+    def __init__(self, trainer) -> None:
+        self.trainer = trainer
+
+    def on_save(self, args, state, control, **kwargs):
+        sampler = self.trainer.train_sampler_state()
+        folder = Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
+        if sampler is not None and args.process_index == 0 and folder.is_dir():
+            (folder / SAMPLER_STATE_NAME).write_text(json.dumps(sampler, indent=1) + "\n", encoding="utf-8")
+        return control
+
+
+def check_sampler_state(checkpoint: str | os.PathLike, run_state: Callable[[], Mapping[str, int]]) -> None:
+    """Refuse to resume from ``checkpoint`` when the sampler state it saved differs from this run's.
+
+    ``run_state`` returns the ``state_dict()`` of the training sampler this run would build; it is called
+    only when the checkpoint holds a ``sampler_state.json`` (see :class:`SamplerStateCallback`), since
+    building a sampler reads the lengths of the whole training set.
+
+    Raises:
+        CheckpointError: a seed, ``max_tokens``, number of pairs or of processes that differs (the batch
+            order would differ), naming it with both values.
+    """
+    saved_file = Path(checkpoint) / SAMPLER_STATE_NAME
+    if not saved_file.is_file():
+        return
+    saved = json.loads(saved_file.read_text(encoding="utf-8"))
+    sampler = run_state()
+    for key in ("seed", "max_tokens", "num_pairs", "num_replicas"):
+        if saved[key] != sampler[key]:
+            raise CheckpointError(
+                f"cannot resume from {checkpoint}: it was trained with {key}={saved[key]}, this run has "
+                f"{key}={sampler[key]} (the batch order would differ)"
+            )
+
+
+# ---- checkpoints every few minutes ----
+
+
+class TimedCheckpointCallback(TrainerCallback):
+    """Save a checkpoint every ``minutes`` of training as well (the paper wrote one every 10 minutes, Section 6.1).
+
+    With several processes rank 0's clock decides and the decision is broadcast, so every rank saves
+    together (saving has collective steps; ranks that disagreed would hang).
+    """
+
+    def __init__(self, minutes: float) -> None:
+        if minutes <= 0:
+            raise ValueError(f"save_minutes must be > 0, got {minutes}")
+        self.seconds = minutes * 60.0
+        self.last_save = time.monotonic()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        due = time.monotonic() - self.last_save >= self.seconds
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            flag = torch.tensor([int(due)], device=args.device)
+            torch.distributed.broadcast(flag, src=0)
+            due = bool(flag.item())
+        if due:
+            control.should_save = True
+        return control
+
+    def on_save(self, args, state, control, **kwargs):
+        self.last_save = time.monotonic()
+        return control
+
+
+# ---- Section 6.1: checkpoint averaging ----
+
+
+def _comparable_config(folder: Path) -> dict[str, Any]:
+    values = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    for volatile in ("transformers_version", "_name_or_path", "dtype", "torch_dtype"):
+        values.pop(volatile, None)
+    return values
+
+
+def average_checkpoints(
+    checkpoints: Sequence[str | os.PathLike], output_dir: str | os.PathLike
+) -> Path:
+    """Average the weights of several checkpoints into one model folder (Section 6.1).
+
+    "For the base models, we used a single model obtained by averaging the last 5 checkpoints ...
+    For the big models, we averaged the last 20 checkpoints." Each tensor is summed in float64 and
+    divided by the count, then cast back to its dtype. The folder written holds the averaged
+    ``model.safetensors``, the config and generation config of the last checkpoint, its tokenizer
+    when it has one, the model's code files (``save_pretrained``) and ``averaged_from.json``.
+
+    Raises:
+        CheckpointError: fewer than one checkpoint, a truncated one, or checkpoints whose configs,
+            tensor names, shapes or dtypes differ (each difference named).
+    """
+    folders = [Path(c) for c in checkpoints]
+    if not folders:
+        raise CheckpointError("no checkpoints to average")
+    for folder in folders:
+        check_checkpoint(folder, for_resume=False)
+    reference_config = _comparable_config(folders[0])
+    for folder in folders[1:]:
+        config = _comparable_config(folder)
+        differ = sorted(k for k in reference_config.keys() | config.keys() if reference_config.get(k) != config.get(k))
+        if differ:
+            details = "; ".join(f"{k}: {reference_config.get(k)!r} vs {config.get(k)!r}" for k in differ)
+            raise CheckpointError(f"cannot average {folders[0]} and {folder}: their configs differ ({details})")
+
+    total: dict[str, torch.Tensor] = {}
+    dtypes: dict[str, torch.dtype] = {}
+    for folder in folders:
+        tensors = load_file(folder / SAFE_WEIGHTS_NAME)
+        if not total:
+            total = {name: tensor.to(torch.float64) for name, tensor in tensors.items()}
+            dtypes = {name: tensor.dtype for name, tensor in tensors.items()}
+            continue
+        if tensors.keys() != total.keys():
+            odd = sorted(tensors.keys() ^ total.keys())
+            raise CheckpointError(f"cannot average: {folder} and {folders[0]} hold different tensors ({', '.join(odd[:5])})")
+        for name, tensor in tensors.items():
+            if tensor.shape != total[name].shape or tensor.dtype != dtypes[name]:
+                raise CheckpointError(
+                    f"cannot average: tensor {name} is {tuple(tensor.shape)} {tensor.dtype} in {folder} but "
+                    f"{tuple(total[name].shape)} {dtypes[name]} in {folders[0]}"
+                )
+            total[name] += tensor.to(torch.float64)
+    averaged = {name: (tensor / len(folders)).to(dtypes[name]) for name, tensor in total.items()}
+
+    model = VaswaniForConditionalGeneration.from_pretrained(folders[-1])
+    missing, unexpected = model.load_state_dict(averaged, strict=False)
+    # save_pretrained stores a tied matrix once; its other names share that storage and need no tensor
+    parameters = dict(model.named_parameters(remove_duplicate=False))
+    stored = {parameters[name].data_ptr() for name in averaged if name in parameters}
+    untied = [name for name in missing if name not in parameters or parameters[name].data_ptr() not in stored]
+    if unexpected or untied:
+        raise CheckpointError(f"averaged weights do not fit the model: missing {untied}, unexpected {unexpected}")
+    output_dir = Path(output_dir)
+    model.save_pretrained(output_dir)
+    if (folders[-1] / "tokenizer.json").is_file():
+        load_tokenizer(folders[-1]).save_pretrained(output_dir)
+    (output_dir / "averaged_from.json").write_text(
+        json.dumps({"checkpoints": [str(f) for f in folders]}, indent=1) + "\n", encoding="utf-8"
+    )
+    return output_dir
+
+
+__all__ = [
+    "CheckpointError",
+    "check_safetensors",
+    "checkpoint_folders",
+    "check_checkpoint",
+    "resume_checkpoint",
+    "SAMPLER_STATE_NAME",
+    "SamplerStateCallback",
+    "check_sampler_state",
+    "TimedCheckpointCallback",
+    "average_checkpoints",
+]

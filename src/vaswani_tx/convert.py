@@ -38,6 +38,7 @@ import torch
 from .configuration_vaswani import VaswaniConfig
 from .fairseq_checkpoint import CheckpointError, checkpoint_settings, load_checkpoint, read_dictionary
 from .modeling_vaswani import VaswaniForConditionalGeneration
+from .text_io import iter_lines
 
 
 class ConversionError(ValueError):
@@ -361,7 +362,7 @@ def _fairseq_tokenizer(checkpoint_path: Path, settings: dict[str, Any], out: Pat
                 token = token[:-2] if token.endswith("@@") else token + "</w>"
             vocab.setdefault(token, index)
         (out / name).write_text(json.dumps(vocab, ensure_ascii=False, indent=2), encoding="utf-8")
-    merges = [" ".join(line.split()[:2]) for line in codes.read_text(encoding="utf-8").splitlines()
+    merges = [" ".join(line.split()[:2]) for line in iter_lines(codes)
               if line.strip() and not line.startswith("#version")]
     (out / "merges.txt").write_text("\n".join(merges) + "\n", encoding="utf-8")
     lowercase = all(not any(c.isupper() for c in token) for token in json.loads((out / "vocab-src.json").read_text()))

@@ -41,29 +41,14 @@ import numpy as np
 import pyarrow.compute as pc
 from torch.utils.data import Sampler
 
+from vaswani_tx.text_io import CorpusError, iter_lines  # callers import both from here too
+
 logger = logging.getLogger(__name__)
 
 WMT14_HUB_PATH = "wmt/wmt14"
 
 
-class CorpusError(ValueError):
-    """Bad corpus input; the message names the file and line or the value."""
-
-
-# ---- reading ----
-
-
-def iter_lines(path: str | os.PathLike) -> Iterator[str]:
-    """Lines of a UTF-8 text file without their ``\\n`` (and a Windows ``\\r``), decoded strictly."""
-    with open(path, "rb") as handle:
-        for number, raw in enumerate(handle, start=1):
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as err:
-                raise CorpusError(
-                    f"{path}, line {number}: not valid UTF-8 (byte {raw[err.start]:#04x} at column {err.start + 1})"
-                ) from None
-            yield line.rstrip("\n").rstrip("\r")
+# ---- reading (lines through vaswani_tx.text_io) ----
 
 
 def _file_stamp(path: str | os.PathLike) -> tuple[str, int, int]:

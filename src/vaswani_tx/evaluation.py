@@ -22,6 +22,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from vaswani_tx.text_io import decode_lines, iter_lines
+
 if TYPE_CHECKING:
     import evaluate
     from transformers import EvalPrediction, PreTrainedTokenizerBase
@@ -74,14 +76,19 @@ def score(
 
 
 def read_lines(path: str | PathLike[str]) -> list[str]:
-    """Lines of a UTF-8 text file, read as the ``sacrebleu`` command line reads them (see ``decode_lines``)."""
-    return decode_lines(Path(path).read_bytes(), str(path))
+    """Lines of a UTF-8 text file, read as the ``sacrebleu`` command line reads them.
+
+    Lines end at ``\\n`` only (``vaswani_tx.text_io``: ``str.splitlines`` would also break at U+2028
+    and friends and misalign a corpus); trailing whitespace, ``\\r`` included, is stripped. Bytes that
+    are not UTF-8 raise ``CorpusError`` (a ``ValueError``) naming the file, the line and the byte.
+    """
+    return [line.rstrip() for line in iter_lines(path)]
 
 
 def read_text(path: str | PathLike[str] | None) -> list[str]:
     """``read_lines`` of a file, or of standard input for ``None`` or ``"-"`` (as the ``sacrebleu`` command)."""
     if path is None or str(path) == "-":
-        return decode_lines(sys.stdin.buffer.read(), "<stdin>")
+        return [line.rstrip() for line in decode_lines(sys.stdin.buffer, "<stdin>")]
     return read_lines(path)
 
 
@@ -102,27 +109,6 @@ def read_references(
             )
         streams.append(stream)
     return [list(refs) for refs in zip(*streams)]
-
-
-def decode_lines(data: bytes, name: str) -> list[str]:
-    """Split UTF-8 bytes into lines as the ``sacrebleu`` command line does; ``name`` labels errors.
-
-    Lines end at ``\\n`` only (``str.splitlines`` would also break at U+2028 and friends and misalign
-    a corpus); trailing whitespace, ``\\r`` included, is stripped. A byte sequence that is not UTF-8
-    raises ``ValueError`` naming the file and the line.
-    """
-    lines = data.split(b"\n")
-    if lines and lines[-1] == b"":
-        lines.pop()  # the final newline ends the last line, it does not start another
-    decoded = []
-    for number, raw in enumerate(lines, start=1):
-        try:
-            decoded.append(raw.decode("utf-8").rstrip())
-        except UnicodeDecodeError as error:
-            raise ValueError(
-                f"{name}: line {number} is not valid UTF-8 (byte 0x{raw[error.start]:02x} at column {error.start + 1})"
-            ) from None
-    return decoded
 
 
 def score_files(

@@ -28,8 +28,9 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 DECODING_FILE = "vaswani_decoding.json"
 QUANTIZATIONS = ("int8", "int8_float32", "int16", "float16", "bfloat16", "int8_float16", "int8_bfloat16")
@@ -147,7 +148,7 @@ def export_ct2(
     import torch
 
     from .modeling_vaswani import VaswaniForConditionalGeneration
-    from .tokenization import load_tokenizer
+    from .tokenization import check_tokenizer_fits_model, load_tokenizer
 
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     if quantization is not None and quantization not in QUANTIZATIONS:
@@ -158,6 +159,10 @@ def export_ct2(
         raise FileExistsError(f"{out_dir} exists and is not empty; pass force=True (--force) to overwrite it.")
     tokenizer = load_tokenizer(model_dir)
     model = VaswaniForConditionalGeneration.from_pretrained(model_dir).float().eval()
+    try:
+        check_tokenizer_fits_model(tokenizer, model.config)
+    except ValueError as err:
+        raise ValueError(f"{model_dir}: {err}") from None
     tokens = tokenizer.convert_ids_to_tokens(list(range(model.config.vocab_size)))
     with torch.no_grad():
         spec = build_ct2_spec(model, tokens, unk_token=tokenizer.unk_token or "<unk>")

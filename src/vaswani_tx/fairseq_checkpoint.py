@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from .checkpoints import CheckpointError
+from .text_io import iter_lines
 
 FAIRSEQ_SPECIALS = ("<s>", "<pad>", "</s>", "<unk>")
 
@@ -101,7 +102,7 @@ def read_dictionary(path: str | os.PathLike) -> list[str]:
     if not path.is_file():
         raise CheckpointError(f"{path}: dictionary file not found (fairseq writes dict.<lang>.txt beside the checkpoint)")
     tokens = list(FAIRSEQ_SPECIALS)
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+    for number, line in enumerate(iter_lines(path), 1):
         if not line.strip():
             continue
         parts = line.rstrip().rsplit(" ", 2 if line.rstrip().endswith("#fairseq:overwrite") else 1)

@@ -7,6 +7,10 @@ penalty (`GNMTLengthPenalty`) and a maximum length per sentence rather than per 
 (`cache_implementation="static"`) to static_decoding.py. No second beam search: everything else is
 transformers'.
 
+Where this departs from the paper (pinned by a test): beam search uses `generate()`'s early stopping,
+a sentence stops once `num_beams` hypotheses have ended, the closest `generate()` comes to "terminate
+early when possible" (Section 6.1).
+
 This file travels with saved weights for `trust_remote_code` (the model imports it): torch,
 transformers and static_decoding.py only.
 """

@@ -1,4 +1,5 @@
-"""Parameter counts of model configs against the paper's Table 3 (used by `vaswani-tx params` and the tests)."""
+"""Parameter counts of model configs against the paper's Table 3 (used by `vaswani-tx params` and the tests),
+and the matrix-multiply FLOPs of a training step for a config."""
 
 from __future__ import annotations
 
@@ -34,6 +35,27 @@ def count_parameters(config: VaswaniConfig) -> int:
     with torch.device("meta"):
         model = VaswaniForConditionalGeneration(config)
     return sum(p.numel() for p in model.parameters())
+
+
+def training_flops(config, source_tokens: float, target_tokens: float, source_length: float, target_length: float) -> float:
+    """Matrix-multiply FLOPs of one training step: forward and backward (3x forward), 2 FLOPs per multiply-add.
+
+    Counts every projection, the feed-forward layers, the attention scores and weighted sums (which grow
+    with ``source_length``/``target_length``, the mean padded sentence lengths) and the pre-softmax
+    projection; embedding lookups, softmax, LayerNorm and the loss are element-wise and left out.
+    ``tests/test_training.py`` checks it against ``torch.utils.flop_counter``. The paper gives no count
+    of its own, only GPU time times an assumed sustained rate (Table 2: 3.3e18 base, 2.3e19 big).
+    """
+    d, d_ff, h, d_k, d_v = config.d_model, config.d_ff, config.num_heads, config.d_k, config.d_v
+    projections = d * h * (2 * d_k + d_v) + h * d_v * d  # Q, K, V and the output projection, per token
+    encoder = config.num_encoder_layers * (projections + 2 * d * d_ff + h * source_length * (d_k + d_v))
+    decoder_per_target = config.num_decoder_layers * (
+        projections + 2 * d * d_ff + h * target_length * (d_k + d_v)  # self-attention and feed-forward
+        + d * h * d_k + h * d_v * d + h * source_length * (d_k + d_v)  # encoder-decoder attention: Q, O, scores
+    ) + d * config.vocab_size
+    decoder_per_source = config.num_decoder_layers * d * h * (d_k + d_v)  # its K and V, from the encoder output
+    multiply_adds = source_tokens * (encoder + decoder_per_source) + target_tokens * decoder_per_target
+    return 3 * 2 * multiply_adds
 
 
 def parameter_table(files: list[Path]) -> tuple[list[dict], bool]:

@@ -15,7 +15,7 @@ linearised tree. This module holds every step between a treebank and an F1:
 - :func:`bracket_f1` is the EVALB scorer (``COLLINS.prm``: punctuation and root ignored, ADVP = PRT);
   the same code is the ``vaswani_parseval`` evaluate module (``evaluation.load_metric("vaswani_parseval")``).
 - :func:`parse` decodes sentences with a saved model; :func:`run_recipe` (``vaswani-tx parse run``)
-  linearises a training split, trains with :func:`vaswani_tx.training.train`, parses a test split and scores it.
+  linearises a training split, trains with :func:`vaswani_tx.recipe.train`, parses a test split and scores it.
 
 The target sequence (Vinyals et al., 2015, Section 2): ``(S (NP XX XX )NP (VP XX (NP XX )NP )VP XX )S``
 for ``(S (NP (DT The) (NN dog)) (VP (VBZ chased) (NP (PRP it))) (. .))``. Each constituent opens with
@@ -274,7 +274,8 @@ def run_recipe(
     ``test.gold`` and ``test.parsed`` (one normalised tree per line) and ``parse_scores.json``.
     Under several processes every process trains and process 0 alone parses and scores.
     """
-    from vaswani_tx.training import average_checkpoints, checkpoint_folders, load_run_config, train
+    from vaswani_tx.checkpoints import average_checkpoints, checkpoint_folders
+    from vaswani_tx.recipe import load_run_config, train
 
     recipe, arguments = load_run_config(config, overrides)
     test = read_treebank(test_trees)

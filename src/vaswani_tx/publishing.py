@@ -1,9 +1,10 @@
 """Publishing a trained model: the complete hub file set and a model card, saved locally or pushed.
 
 `save_for_hub` writes what a hub user needs: config.json with `auto_map` and `custom_pipelines`, the
-code files (configuration, modeling, pipeline), safetensors weights, generation_config.json, the
-tokenizer files, and README.md rendered from the package's model card template with the training
-data, the measured scores with their signatures, and every departure from the paper.
+code files (configuration, modeling, generation, pipeline, static decoding), safetensors weights,
+generation_config.json, the tokenizer files, and README.md rendered from the package's model card
+template with the training data, the measured scores with their signatures, and every departure
+from the paper.
 `push_to_hub` saves first, then uploads, and fails at once with a clear message when the hub cannot
 be reached (the saved folder stays usable).
 """
@@ -12,9 +13,10 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from string import Template
-from typing import Any, Sequence
+from typing import Any
 
 from .configuration_vaswani import VaswaniConfig
 from .paper import DEPARTURES_FROM_THE_PAPER
@@ -22,7 +24,8 @@ from .paper import DEPARTURES_FROM_THE_PAPER
 TEMPLATE = Path(__file__).with_name("templates") / "model_card_template.md"
 REQUIRED_FILES = (
     "config.json", "generation_config.json", "model.safetensors", "configuration_vaswani.py", "modeling_vaswani.py",
-    "pipeline_vaswani.py", "static_decoding.py", "tokenizer.json", "tokenizer_config.json", "README.md",
+    "generation_vaswani.py", "pipeline_vaswani.py", "static_decoding.py", "tokenizer.json", "tokenizer_config.json",
+    "README.md",
 )
 
 # Options whose VaswaniConfig default is the paper's: a model that changes one lists it in its card.
@@ -117,9 +120,9 @@ def render_model_card(model, *, repo: str, source_lang: str, target_lang: str, t
 
 def save_for_hub(model, tokenizer, folder: str | os.PathLike, **card: Any) -> Path:
     """Save model, tokenizer and model card into `folder` and check that the hub file set is complete."""
-    from .tokenization import check_tokenizer_matches_config
+    from .tokenization import check_tokenizer_fits_model
 
-    check_tokenizer_matches_config(tokenizer, model.config)
+    check_tokenizer_fits_model(tokenizer, model.config)
     folder = Path(folder)
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)

@@ -28,8 +28,8 @@ from __future__ import annotations
 import types
 import warnings
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 from torch import nn

@@ -6,7 +6,7 @@ both sides of a corpus at once and returns a transformers fast tokenizer (``PreT
 which transformers 5 implements as ``TokenizersBackend``) that ``save_pretrained`` writes and
 ``AutoTokenizer.from_pretrained(folder)`` reads back.
 
-Fixed ids, which the model config defaults agree with (checked by :func:`check_tokenizer_matches_config`):
+Fixed ids, which the model config defaults agree with (checked by :func:`check_tokenizer_fits_model`):
 ``<pad>`` = 0, ``<unk>`` = 1, ``<s>`` = 2 (bos, also the decoder start), ``</s>`` = 3 (eos).
 Every encoded sequence, source and ``labels`` alike, is its subword tokens followed by ``</s>``; the
 source has no ``<s>``: the model shifts ``labels`` right itself and starts the decoder with ``<s>``.
@@ -42,13 +42,15 @@ import json
 import os
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-import datasets
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 from transformers import PreTrainedTokenizerFast
 
-from vaswani_tx.data import iter_lines
+from vaswani_tx.text_io import iter_lines
+
+if TYPE_CHECKING:
+    import datasets
 
 PAD_TOKEN, UNK_TOKEN, BOS_TOKEN, EOS_TOKEN = "<pad>", "<unk>", "<s>", "</s>"
 SPECIAL_TOKENS = (PAD_TOKEN, UNK_TOKEN, BOS_TOKEN, EOS_TOKEN)  # list order = ids 0, 1, 2, 3
@@ -80,9 +82,16 @@ def normalize(text: str) -> str:
     return _NORMALIZER.normalize_str(text)
 
 
+def _is_dataset(corpus: object) -> bool:
+    # imported here: loading a model to translate checks its tokenizer with this module, without datasets
+    import datasets
+
+    return isinstance(corpus, datasets.Dataset)
+
+
 def _corpus_batches(corpus: Sequence[str | os.PathLike] | datasets.Dataset, columns: Sequence[str]) -> Iterator[list[str]]:
     """Batches of training text; both sides of a parallel corpus feed one joint vocabulary."""
-    if isinstance(corpus, datasets.Dataset):
+    if _is_dataset(corpus):
         missing = [name for name in columns if name not in corpus.column_names]
         if missing:
             raise ValueError(f"dataset has no column(s) {missing}; its columns are {corpus.column_names}")
@@ -102,7 +111,7 @@ def _corpus_batches(corpus: Sequence[str | os.PathLike] | datasets.Dataset, colu
 
 
 def _describe(corpus: Sequence[str | os.PathLike] | datasets.Dataset) -> str:
-    if isinstance(corpus, datasets.Dataset):
+    if _is_dataset(corpus):
         return f"the dataset ({corpus.num_rows} rows)"
     return ", ".join(str(path) for path in corpus)
 
@@ -208,28 +217,52 @@ def wrap_tokenizer(tokenizer: Tokenizer) -> PreTrainedTokenizerFast:
     )
 
 
-def check_tokenizer_matches_config(tokenizer: Any, config: Any) -> None:
-    """Refuse a model config whose vocabulary size or special ids differ from the tokenizer's.
+def check_tokenizer_fits_model(tokenizer: Any, config: Any) -> None:
+    """Refuse a tokenizer and a model config that were not made for each other.
 
-    ``config`` is any object with ``vocab_size``, ``pad_token_id``, ``bos_token_id``,
-    ``eos_token_id`` and ``decoder_start_token_id`` (such as ``VaswaniConfig``); the decoder starts
-    from ``<s>``, so ``decoder_start_token_id`` must equal the tokenizer's bos id.
+    The one check wherever the two meet: training, fine-tuning, publishing, loading a model to
+    translate. ``config`` is any object with ``vocab_size``, ``pad_token_id``, ``bos_token_id``,
+    ``eos_token_id`` and ``decoder_start_token_id`` (such as ``VaswaniConfig``). It must agree with the
+    tokenizer on:
+
+    * ``vocab_size``, which must be ``len(tokenizer)``: a larger tokenizer's last ids would index past
+      the embedding, and a larger embedding has rows no token reaches (a config written for another
+      vocabulary);
+    * ``pad_token_id``, ``bos_token_id``, ``eos_token_id``, and ``unk_token_id`` when the config has
+      one: with another ``</s>`` decoding never stops where it should;
+    * ``decoder_start_token_id``: ``<s>`` for a vocabulary with this module's fixed ids (the model
+      shifts ``labels`` right behind it); a converted model keeps its source's start token, which
+      must be one of the tokenizer's ``<s>``, ``</s>`` or ``<pad>`` (fairseq and FSMT start from
+      ``</s>``; Marian vocabularies have no ``<s>`` and start from ``<pad>``).
 
     Raises:
-        ValueError: naming every field that differs, with both values.
+        ValueError: ``model config and tokenizer disagree; ...`` naming every field that differs,
+            with both values.
     """
-    expected = {
-        "vocab_size": len(tokenizer),
-        "pad_token_id": tokenizer.pad_token_id,
-        "bos_token_id": tokenizer.bos_token_id,
-        "eos_token_id": tokenizer.eos_token_id,
-        "decoder_start_token_id": tokenizer.bos_token_id,
-    }
     clashes = []
-    for field, tokenizer_value in expected.items():
-        config_value = getattr(config, field, None)
+    size, rows = len(tokenizer), getattr(config, "vocab_size", None)
+    if rows != size:
+        why = ""
+        if isinstance(rows, int):
+            why = (f" (its last {size - rows} ids would index past the embedding)" if size > rows
+                   else f" ({rows - size} embedding rows no token reaches)")
+        clashes.append(f"vocab_size: config has {rows}, tokenizer has {size}{why}")
+    fields = ["pad_token_id", "bos_token_id", "eos_token_id"]
+    if getattr(config, "unk_token_id", None) is not None:
+        fields.append("unk_token_id")
+    for field in fields:
+        config_value, tokenizer_value = getattr(config, field, None), getattr(tokenizer, field)
         if config_value != tokenizer_value:
             clashes.append(f"{field}: config has {config_value}, tokenizer has {tokenizer_value}")
+    start = getattr(config, "decoder_start_token_id", None)
+    specials = {"bos": tokenizer.bos_token_id, "eos": tokenizer.eos_token_id, "pad": tokenizer.pad_token_id}
+    fixed = (tokenizer.pad_token_id, tokenizer.unk_token_id, tokenizer.bos_token_id, tokenizer.eos_token_id) == (
+        PAD_TOKEN_ID, UNK_TOKEN_ID, BOS_TOKEN_ID, EOS_TOKEN_ID)
+    if fixed and start != BOS_TOKEN_ID:
+        clashes.append(f"decoder_start_token_id: config has {start}, tokenizer has {BOS_TOKEN_ID}")
+    elif not fixed and (start is None or start not in specials.values()):
+        named = ", ".join(f"{name} {value}" for name, value in specials.items() if value is not None)
+        clashes.append(f"decoder_start_token_id: config has {start}, which is none of the tokenizer's {named}")
     if clashes:
         raise ValueError("model config and tokenizer disagree; " + "; ".join(clashes))
 

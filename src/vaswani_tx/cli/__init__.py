@@ -29,7 +29,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
 
 
 def fail(command: str, message: object) -> int:
-    """Report bad input as the commands that return status 2 do: ``vaswani-tx COMMAND: error: MESSAGE`` on stderr."""
+    """Report bad input (a config, checkpoint, corpus or file a command cannot use) the one way every command
+    does: ``vaswani-tx COMMAND: error: MESSAGE`` on stderr; returns the exit status, 2 (argparse's for bad usage).
+
+    Library modules raise exceptions; only the command modules turn them into this message."""
     print(f"vaswani-tx {command}: error: {message}", file=sys.stderr)
     return 2
 
@@ -44,7 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
         module = importlib.import_module(f"vaswani_tx.cli.{module_name}")
         command_parser = sub.add_parser(name, help=help_text, description=module.__doc__)
         module.add_arguments(command_parser)
-        command_parser.set_defaults(_run=module.run, _intermixed=getattr(module, "INTERMIXED", None))
+        command_parser.set_defaults(
+            _run=module.run, _intermixed=getattr(module, "INTERMIXED", None), _parser=command_parser
+        )
     return parser
 
 
@@ -56,8 +61,8 @@ def main(argv: list[str] | None = None) -> int:
     dest = args._intermixed
     if extra and dest and not any(item.startswith("-") for item in extra):
         setattr(args, dest, [*getattr(args, dest), *extra])
-    elif extra:
-        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    elif extra:  # as the command's own usage error: `vaswani-tx COMMAND: error: ...`, status 2
+        args._parser.error(f"unrecognized arguments: {' '.join(extra)}")
     return int(args._run(args) or 0)
 
 

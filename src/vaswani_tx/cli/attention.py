@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import argparse
 
+from vaswani_tx.cli import fail
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", help="a saved model folder (from_pretrained) with its tokenizer")
@@ -23,15 +25,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
-
-    import vaswani_tx  # noqa: F401  (registers the model with the Auto classes)
     from vaswani_tx.attention_maps import plot_attention_maps
+    from vaswani_tx.translation import load_translator
 
-    model = AutoModelForSeq2SeqLM.from_pretrained(args.model)
-    tokenizer = AutoTokenizer.from_pretrained(args.model)
     layers = None if args.layers is None else [n - 1 for n in args.layers]
-    for path in plot_attention_maps(model, tokenizer, args.source, args.output_dir, target=args.target,
-                                    kinds=args.kinds, layers=layers):
+    try:
+        translator = load_translator(args.model, device="cpu")  # the folder checks `translate` makes
+        paths = plot_attention_maps(translator.model, translator.tokenizer, args.source, args.output_dir,
+                                    target=args.target, kinds=args.kinds, layers=layers)
+    except (ValueError, OSError) as err:  # not a usable model folder, a layer it does not have, unwritable output
+        return fail("attention", err)
+    for path in paths:
         print(path)
     return 0

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import argparse
 
+from vaswani_tx.cli import fail
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
@@ -26,10 +28,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from vaswani_tx.training import CheckpointError, average_checkpoints, checkpoint_folders
+    from vaswani_tx.checkpoints import CheckpointError, average_checkpoints, checkpoint_folders
 
     if args.last < 1:
-        raise SystemExit(f"average-checkpoints: --last must be >= 1, got {args.last}")
+        return fail("average-checkpoints", f"--last must be >= 1, got {args.last}")
     try:
         # a run folder holds checkpoint-<step> folders (and, once finished, its final model too)
         found = checkpoint_folders(args.paths[0]) if len(args.paths) == 1 else []
@@ -42,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
         else:
             chosen = [Path(p) for p in args.paths]
         output = average_checkpoints(chosen, args.output_dir)
-    except CheckpointError as err:
-        raise SystemExit(f"average-checkpoints: {err}") from None
+    except (ValueError, OSError) as err:  # CheckpointError is a ValueError
+        return fail("average-checkpoints", err)
     print(f"averaged {len(chosen)} checkpoints ({', '.join(p.name for p in chosen)}) into {output}")
     return 0

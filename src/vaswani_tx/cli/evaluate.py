@@ -80,25 +80,25 @@ def run(args: argparse.Namespace) -> int:
         hypotheses = translator.translate(sources, **decoding_options(args))
         seconds = time.perf_counter() - start
         results = score(hypotheses, references, target_lang, args.compound_splitting)
-    except (FileNotFoundError, ValueError, ConnectionError) as err:
-        return fail("evaluate", err)
 
-    output_dir = Path(args.output_dir)
-    hypothesis_file = output_dir / f"{name}.hyp.{target_lang}"
-    write_lines(hypotheses, hypothesis_file)
-    generation = translator.model.generation_config
-    settings = {
-        "model": str(args.model), "test_set": name, "sentences": len(sources), "target_lang": target_lang,
-        "num_beams": args.num_beams or generation.num_beams,
-        "length_penalty": args.length_penalty if args.length_penalty is not None else generation.length_penalty,
-        "length_penalty_type": getattr(generation, "length_penalty_type", "hf"),
-        "max_output_length_offset": args.max_length_offset if args.max_length_offset is not None
-        else getattr(generation, "max_output_length_offset", None),
-        "device": str(translator.device), "dtype": str(translator.model.dtype).removeprefix("torch."), "int8": args.int8,
-        "static_cache": args.static_cache, "decoding_seconds": round(seconds, 2), "hypotheses": str(hypothesis_file),
-    }
-    scores_file = output_dir / f"{name}.scores.json"
-    scores_file.write_text(json.dumps({**settings, **results}, indent=1, default=float) + "\n", encoding="utf-8")
+        output_dir = Path(args.output_dir)
+        hypothesis_file = output_dir / f"{name}.hyp.{target_lang}"
+        write_lines(hypotheses, hypothesis_file)
+        generation = translator.model.generation_config
+        settings = {
+            "model": str(args.model), "test_set": name, "sentences": len(sources), "target_lang": target_lang,
+            "num_beams": args.num_beams or generation.num_beams,
+            "length_penalty": args.length_penalty if args.length_penalty is not None else generation.length_penalty,
+            "length_penalty_type": getattr(generation, "length_penalty_type", "hf"),
+            "max_output_length_offset": args.max_length_offset if args.max_length_offset is not None
+            else getattr(generation, "max_output_length_offset", None),
+            "device": str(translator.device), "dtype": str(translator.model.dtype).removeprefix("torch."), "int8": args.int8,
+            "static_cache": args.static_cache, "decoding_seconds": round(seconds, 2), "hypotheses": str(hypothesis_file),
+        }
+        scores_file = output_dir / f"{name}.scores.json"
+        scores_file.write_text(json.dumps({**settings, **results}, indent=1, default=float) + "\n", encoding="utf-8")
+    except (ValueError, OSError) as err:  # a bad file, folder or test set; an unreachable Hub
+        return fail("evaluate", err)
     print(f"{name}: {len(sources)} sentences, {settings['num_beams']} beams, alpha {settings['length_penalty']}, "
           f"{seconds:.1f} s")
     print(f"sacreBLEU      {results['sacrebleu']:6.2f}  {results['sacrebleu_signature']}")

@@ -32,7 +32,7 @@ def run(args: argparse.Namespace) -> int:
         from vaswani_tx.export import export_ct2
 
         out = export_ct2(args.model, args.out, quantization=args.quantization, force=args.force)
-    except (ImportError, FileNotFoundError, FileExistsError, ValueError) as error:
+    except (ImportError, ValueError, OSError) as error:  # no ctranslate2; a missing, refused or unwritable folder
         return fail("export-ct2", error)
     print(f"wrote CTranslate2 model to {out}" + (f" ({args.quantization})" if args.quantization else ""))
     return 0

@@ -13,6 +13,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from vaswani_tx.cli import fail
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("paths", nargs="+", type=Path, help="model config JSON files, or folders of them")
@@ -28,10 +30,13 @@ def run(args: argparse.Namespace) -> int:
         elif path.is_file():
             files.append(path)
         else:
-            raise SystemExit(f"vaswani-tx params: {path} is neither a config file nor a folder")
+            return fail("params", f"{path} is neither a config file nor a folder")
     if not files:
-        raise SystemExit(f"vaswani-tx params: no *.json model configs found in {', '.join(map(str, args.paths))}")
-    rows, ok = parameter_table(files)
+        return fail("params", f"no *.json model configs found in {', '.join(map(str, args.paths))}")
+    try:
+        rows, ok = parameter_table(files)
+    except (ValueError, OSError) as err:  # a file that is not JSON, or not a valid VaswaniConfig
+        return fail("params", err)
     header = f"{'config':28} {'N':>3} {'d_model':>7} {'d_ff':>5} {'h':>3} {'d_k':>4} {'d_v':>4} {'P_drop':>6} " \
              f"{'params(M)':>10} {'paper(M)':>8} {'diff(M)':>8}  check"
     print(header)

@@ -83,9 +83,11 @@ def _print_scores(scores: dict) -> None:
 def run(args: argparse.Namespace) -> int:
     import json
     import logging
+
     from vaswani_tx import parsing
+    from vaswani_tx.checkpoints import CheckpointError
     from vaswani_tx.evaluation import read_lines
-    from vaswani_tx.training import CheckpointError, ConfigError
+    from vaswani_tx.recipe import ConfigError
 
     if args.action == "run":
         logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
@@ -113,6 +115,6 @@ def run(args: argparse.Namespace) -> int:
             if len(gold) != len(predicted):
                 raise ValueError(f"{args.gold} has {len(gold)} trees but {args.predicted} has {len(predicted)}")
             _print_scores(parsing.bracket_f1(gold, predicted, max_length=args.max_length))
-    except (ConfigError, CheckpointError, FileNotFoundError, ValueError) as err:  # TreebankFormatError is a ValueError
+    except (ConfigError, CheckpointError, ValueError, OSError) as err:  # TreebankFormatError is a ValueError
         return fail("parse", err)
     return 0

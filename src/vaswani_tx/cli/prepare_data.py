@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import argparse
 
+from vaswani_tx.cli import fail
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
@@ -51,12 +53,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _check_one_input(args: argparse.Namespace) -> None:
-    given = [name for name in ("source_file", "tsv", "jsonl", "wmt14") if getattr(args, name)]
-    if len(given) != 1 or bool(args.source_file) != bool(args.target_file):
-        raise SystemExit("prepare-data: give exactly one input: --source-file with --target-file, --tsv, --jsonl or --wmt14")
-
-
 def _load(args: argparse.Namespace):
     from vaswani_tx import data
 
@@ -74,27 +70,33 @@ def run(args: argparse.Namespace) -> int:
     from vaswani_tx import data
     from vaswani_tx.tokenization import load_tokenizer
 
-    _check_one_input(args)
-    tokenizer = load_tokenizer(args.tokenizer)
-    pairs = _load(args)
-    pairs, report = data.clean_pairs(
-        pairs,
-        min_words=args.min_words,
-        max_words=args.max_words or None,
-        max_length_ratio=args.max_length_ratio or None,
-        deduplicate=not args.keep_duplicates,
-    )
-    print(report)
-    encoded = data.tokenize_pairs(pairs, tokenizer, num_proc=args.num_proc)
-    source_lengths = data.sequence_lengths(encoded, "input_ids")
-    target_lengths = data.sequence_lengths(encoded, "labels")
-    print(
-        f"tokens per sentence (with </s>): source {source_lengths.mean():.1f}, target {target_lengths.mean():.1f}; "
-        f"longest: source {source_lengths.max()}, target {target_lengths.max()}"
-    )
-    if args.max_tokens is not None:
-        sampler = data.TokenBudgetBatchSampler(source_lengths, target_lengths, args.max_tokens)
-        print(f"max_tokens={args.max_tokens}: {len(sampler)} batches; {sampler.num_oversized} pairs too long for the budget")
-    encoded.save_to_disk(args.output_dir)
+    given = [name for name in ("source_file", "tsv", "jsonl", "wmt14") if getattr(args, name)]
+    if len(given) != 1 or bool(args.source_file) != bool(args.target_file):
+        return fail(
+            "prepare-data", "give exactly one input: --source-file with --target-file, --tsv, --jsonl or --wmt14"
+        )
+    try:
+        tokenizer = load_tokenizer(args.tokenizer)
+        pairs, report = data.clean_pairs(
+            _load(args),
+            min_words=args.min_words,
+            max_words=args.max_words or None,
+            max_length_ratio=args.max_length_ratio or None,
+            deduplicate=not args.keep_duplicates,
+        )
+        print(report)
+        encoded = data.tokenize_pairs(pairs, tokenizer, num_proc=args.num_proc)
+        source_lengths = data.sequence_lengths(encoded, "input_ids")
+        target_lengths = data.sequence_lengths(encoded, "labels")
+        print(
+            f"tokens per sentence (with </s>): source {source_lengths.mean():.1f}, target {target_lengths.mean():.1f}; "
+            f"longest: source {source_lengths.max()}, target {target_lengths.max()}"
+        )
+        if args.max_tokens is not None:
+            sampler = data.TokenBudgetBatchSampler(source_lengths, target_lengths, args.max_tokens)
+            print(f"max_tokens={args.max_tokens}: {len(sampler)} batches; {sampler.num_oversized} pairs too long for the budget")
+        encoded.save_to_disk(args.output_dir)
+    except (ValueError, OSError) as err:  # CorpusError; a missing file or an unreachable Hub
+        return fail("prepare-data", err)
     print(f"saved {encoded.num_rows} pairs to {args.output_dir}")
     return 0

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import argparse
 
+from vaswani_tx.cli import fail
+
 INTERMIXED = "overrides"  # key=value may also follow --resume (see vaswani_tx.cli.main)
 
 
@@ -30,16 +32,15 @@ def run(args: argparse.Namespace) -> int:
     import json
     import logging
 
-    from vaswani_tx.training import CheckpointError, ConfigError, load_run_config, train
+    from vaswani_tx.checkpoints import CheckpointError
+    from vaswani_tx.recipe import ConfigError, load_run_config, train
 
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
     try:
         recipe, arguments = load_run_config(args.config, args.overrides)
         metrics = train(recipe, arguments, resume=args.resume)
-    except (ConfigError, CheckpointError, FileNotFoundError) as err:
-        raise SystemExit(f"vaswani-tx train: {err}") from None
-    except ValueError as err:  # e.g. a tokenizer that does not match the model config
-        raise SystemExit(f"vaswani-tx train: {err}") from None
+    except (ConfigError, CheckpointError, ValueError, OSError) as err:  # e.g. a tokenizer that does not fit the model
+        return fail("train", err)
     if arguments.process_index == 0:
         print(json.dumps(metrics, indent=1))
         print(f"model, checkpoints and curves.png in {arguments.output_dir}")

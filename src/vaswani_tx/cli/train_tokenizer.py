@@ -16,6 +16,8 @@ from __future__ import annotations
 import argparse
 import time
 
+from vaswani_tx.cli import fail
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
@@ -49,18 +51,21 @@ def run(args: argparse.Namespace) -> int:
     from vaswani_tx.tokenization import train_tokenizer
 
     if bool(args.files) == bool(args.wmt14):
-        raise SystemExit("train-tokenizer: give either text FILEs or --wmt14 SRC-TGT (see --help)")
-    if args.wmt14:
-        source_lang, _, target_lang = args.wmt14.partition("-")
-        corpus = load_wmt14(source_lang, target_lang, "train", cache_dir=args.cache_dir)
-    else:
-        corpus = args.files
-    start = time.perf_counter()
-    tokenizer = train_tokenizer(
-        corpus, args.kind, args.vocab_size, min_frequency=args.min_frequency, limit_alphabet=args.limit_alphabet
-    )
-    seconds = time.perf_counter() - start
-    tokenizer.save_pretrained(args.output_dir)
+        return fail("train-tokenizer", "give either text FILEs or --wmt14 SRC-TGT (see --help)")
+    try:
+        if args.wmt14:
+            source_lang, _, target_lang = args.wmt14.partition("-")
+            corpus = load_wmt14(source_lang, target_lang, "train", cache_dir=args.cache_dir)
+        else:
+            corpus = args.files
+        start = time.perf_counter()
+        tokenizer = train_tokenizer(
+            corpus, args.kind, args.vocab_size, min_frequency=args.min_frequency, limit_alphabet=args.limit_alphabet
+        )
+        seconds = time.perf_counter() - start
+        tokenizer.save_pretrained(args.output_dir)
+    except (ValueError, OSError) as err:  # CorpusError; a missing file or an unreachable Hub
+        return fail("train-tokenizer", err)
     print(
         f"trained a {len(tokenizer)}-token {args.kind} vocabulary in {seconds:.1f} s; "
         f"<pad>={tokenizer.pad_token_id} <unk>={tokenizer.unk_token_id} "
