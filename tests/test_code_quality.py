@@ -1,0 +1,112 @@
+"""The package's shape: imports point one way, every module imports on its own, and the code is
+ruff-clean (check and format, configured in pyproject.toml)."""
+
+from __future__ import annotations
+
+import ast
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "src" / "vaswani_tx"
+# The files `save_pretrained` copies next to the weights for trust_remote_code: they import torch,
+# transformers and each other, nothing else of ours.
+TRAVELLING = {
+    "configuration_vaswani",
+    "modeling_vaswani",
+    "generation_vaswani",
+    "static_decoding",
+    "pipeline_vaswani",
+}
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def package_modules() -> list[str]:
+    """Every module of the package but `__main__` (which runs the CLI when imported)."""
+    return sorted(module_name(p) for p in PACKAGE.rglob("*.py") if p.name != "__main__.py")
+
+
+def module_level_imports(path: Path) -> set[str]:
+    """The package modules `path` imports when it is imported: top-level statements only (imports
+    inside functions run later, and `if TYPE_CHECKING:` blocks never)."""
+    name = module_name(path)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    modules = set(package_modules())
+    found = set()
+    for node in ast.parse(path.read_text(encoding="utf-8")).body:
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*anchor, base] if base else anchor)
+            submodules = {f"{base}.{alias.name}" for alias in node.names} & modules  # `from . import module`
+            found.update(submodules or {base})
+    return {m for m in found if m in modules and m != name}
+
+
+def test_no_module_level_import_cycle():
+    graph = {module_name(p): module_level_imports(p) for p in PACKAGE.rglob("*.py")}
+    state: dict[str, str] = {}
+
+    def visit(module: str, path: list[str]) -> None:
+        state[module] = "open"
+        for target in sorted(graph.get(module, ())):
+            if state.get(target) == "open":
+                cycle = path[path.index(target) :] + [target] if target in path else [module, target]
+                pytest.fail("module-level import cycle: " + " -> ".join(cycle))
+            if target not in state:
+                visit(target, [*path, target])
+        state[module] = "done"
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module, [module])
+
+
+def test_files_that_travel_with_saved_models_import_only_each_other():
+    for name in TRAVELLING:
+        ours = {m.rpartition(".")[2] for m in module_level_imports(PACKAGE / f"{name}.py")}
+        assert ours <= TRAVELLING, f"{name}.py imports {sorted(ours - TRAVELLING)}, which saved models do not carry"
+
+
+def test_each_module_imports_alone_in_a_fresh_process():
+    """Each module first, with no other module of the package loaded before it (torch and transformers
+    stay loaded: only the order of our own imports can hide a cycle)."""
+    script = (
+        "import importlib, sys, torch, transformers\n"
+        f"for name in {package_modules()!r}:\n"
+        "    for loaded in [m for m in sys.modules if m == 'vaswani_tx' or m.startswith('vaswani_tx.')]:\n"
+        "        del sys.modules[loaded]\n"
+        "    try:\n"
+        "        importlib.import_module(name)\n"
+        "    except Exception as error:\n"
+        "        print(f'{name}: {type(error).__name__}: {error}')\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout == "", "modules that do not import on their own:\n" + result.stdout
+
+
+def ruff() -> str:
+    found = shutil.which("ruff", path=str(Path(sys.executable).parent)) or shutil.which("ruff")
+    if found is None:
+        pytest.fail("ruff is not installed: it is in the dev extra (pip install -e '.[dev]')")
+    return found
+
+
+@pytest.mark.parametrize("command", [["check"], ["format", "--check", "--diff"]], ids=["check", "format"])
+def test_ruff(command):
+    result = subprocess.run(
+        [ruff(), *command, "src", "tests", "benchmarks", "examples"], capture_output=True, text=True, cwd=ROOT
+    )
+    assert result.returncode == 0, (result.stdout + result.stderr)[-5000:]
