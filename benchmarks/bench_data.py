@@ -51,7 +51,9 @@ def unk_and_byte_rate(tokenizer, text: list[str]) -> tuple[float, float]:
     return ids.count(UNK_TOKEN_ID) / len(ids), sum(i in byte_ids for i in ids) / len(ids)
 
 
-def padding_fractions(source: np.ndarray, target: np.ndarray, max_tokens: int, seed: int = 0) -> tuple[float, float, int]:
+def padding_fractions(
+    source: np.ndarray, target: np.ndarray, max_tokens: int, seed: int = 0
+) -> tuple[float, float, int]:
     """Padding share of all token slots (both sides) for budget batches and for random batches of equal sizes."""
     batches = list(TokenBudgetBatchSampler(source, target, max_tokens, seed=seed))
 
@@ -69,7 +71,9 @@ def candidate(kind: str) -> tuple[Tokenizer, trainers.Trainer]:
     if kind == "metaspace+NFC (chosen)":
         return None, None
     tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
-    trainer = trainers.BpeTrainer(vocab_size=8000, min_frequency=2, special_tokens=list(SPECIAL_TOKENS), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=8000, min_frequency=2, special_tokens=list(SPECIAL_TOKENS), show_progress=False
+    )
     if kind == "metaspace+NFKC, no byte fallback":
         tokenizer.normalizer = normalizers.Sequence([normalizers.NFKC(), build_normalizer()])
         tokenizer.pre_tokenizer, tokenizer.decoder = pre_tokenizers.Metaspace(), decoders.Metaspace()
@@ -77,14 +81,21 @@ def candidate(kind: str) -> tuple[Tokenizer, trainers.Trainer]:
         tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         tokenizer.decoder = decoders.ByteLevel()
         trainer = trainers.BpeTrainer(
-            vocab_size=8000, min_frequency=2, special_tokens=list(SPECIAL_TOKENS), show_progress=False,
+            vocab_size=8000,
+            min_frequency=2,
+            special_tokens=list(SPECIAL_TOKENS),
+            show_progress=False,
             initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         )
     elif kind == "punctuation split (Moses-like)":
         # word and punctuation split, subword-nmt's end-of-word marker; decoding joins words with spaces
         tokenizer = Tokenizer(models.BPE(unk_token="<unk>", end_of_word_suffix="</w>"))
         trainer = trainers.BpeTrainer(
-            vocab_size=8000, min_frequency=2, special_tokens=list(SPECIAL_TOKENS), show_progress=False, end_of_word_suffix="</w>"
+            vocab_size=8000,
+            min_frequency=2,
+            special_tokens=list(SPECIAL_TOKENS),
+            show_progress=False,
+            end_of_word_suffix="</w>",
         )
         tokenizer.normalizer = build_normalizer()
         tokenizer.pre_tokenizer, tokenizer.decoder = pre_tokenizers.Whitespace(), decoders.BPEDecoder(suffix="</w>")
@@ -93,15 +104,25 @@ def candidate(kind: str) -> tuple[Tokenizer, trainers.Trainer]:
 
 def pretokenisation_table(root: Path) -> None:
     train = [root / "multi30k-en-de/train.en", root / "multi30k-en-de/train.de"]
-    evaluation = {name: lines(root, name) for name in ("multi30k-en-de/val.de", "newstest2013-en-de/dev.en", "newstest2013-en-de/dev.de")}
+    evaluation = {
+        name: lines(root, name)
+        for name in ("multi30k-en-de/val.de", "newstest2013-en-de/dev.en", "newstest2013-en-de/dev.de")
+    }
     print("\n## Pre-tokenisation candidates (BPE 8,000 learned on Multi30k train)")
     print("| candidate | file | round-trip failures | tokens/sentence | unk rate |")
     print("| --- | --- | ---: | ---: | ---: |")
-    for kind in ("metaspace+NFC (chosen)", "metaspace+NFKC, no byte fallback", "byte-level (GPT-2)", "punctuation split (Moses-like)"):
+    for kind in (
+        "metaspace+NFC (chosen)",
+        "metaspace+NFKC, no byte fallback",
+        "byte-level (GPT-2)",
+        "punctuation split (Moses-like)",
+    ):
         tokenizer, trainer = candidate(kind)
         if tokenizer is None:
             chosen = train_tokenizer(train, "bpe", 8000, show_progress=False)
-            encode = lambda text, t=chosen: [e.ids for e in t.backend_tokenizer.encode_batch(text, add_special_tokens=False)]  # noqa: E731
+            encode = lambda text, t=chosen: [  # noqa: E731
+                e.ids for e in t.backend_tokenizer.encode_batch(text, add_special_tokens=False)
+            ]
             decode = lambda ids, t=chosen: t.backend_tokenizer.decode_batch(ids)  # noqa: E731
         else:
             tokenizer.train([str(path) for path in train], trainer)
@@ -113,12 +134,18 @@ def pretokenisation_table(root: Path) -> None:
             expected = text if kind.startswith("byte") else [" ".join(line.split()) for line in text]
             failures = sum(out != want for out, want in zip(decode(ids), expected))
             flat = [i for sequence in ids for i in sequence]
-            print(f"| {kind} | {name} | {failures} / {len(text)} | {len(flat) / len(text):.1f} | {flat.count(UNK_TOKEN_ID) / len(flat):.4%} |")
+            print(
+                f"| {kind} | {name} | {failures} / {len(text)} | {len(flat) / len(text):.1f} | {flat.count(UNK_TOKEN_ID) / len(flat):.4%} |"
+            )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shared-data", type=Path, default=Path(os.environ.get("VASWANI_SHARED_DATA", REPO.parent / "shared" / "data")))
+    parser.add_argument(
+        "--shared-data",
+        type=Path,
+        default=Path(os.environ.get("VASWANI_SHARED_DATA", REPO.parent / "shared" / "data")),
+    )
     root = parser.parse_args().shared_data
     print(f"# bench_data on {os.cpu_count()} CPU cores, data {root}")
 
@@ -130,19 +157,31 @@ def main() -> None:
     print("| corpus | kind | requested | learned | seconds |")
     print("| --- | --- | ---: | ---: | ---: |")
     trained = {}
-    for corpus, files in (("Multi30k train EN-DE (58,000 lines)", m30k_train), ("newstest2013 EN-DE (6,000 lines)", nt_de), ("newstest2013 EN-FR (6,000 lines)", nt_fr)):
+    for corpus, files in (
+        ("Multi30k train EN-DE (58,000 lines)", m30k_train),
+        ("newstest2013 EN-DE (6,000 lines)", nt_de),
+        ("newstest2013 EN-FR (6,000 lines)", nt_fr),
+    ):
         for kind, size in (("bpe", None), ("bpe", 8000), ("wordpiece", None), ("wordpiece", 8000)):
             tokenizer, seconds = timed_training(files, kind, size)
             trained[corpus, kind, size] = tokenizer
             requested = size or {"bpe": 37000, "wordpiece": 32000}[kind]
             print(f"| {corpus} | {kind} | {requested} | {len(tokenizer)} | {seconds:.2f} |")
 
-    print("\n## Tokens per sentence (including </s>) and unknown-token rate; vocabulary of 8,000 learned on Multi30k train")
+    print(
+        "\n## Tokens per sentence (including </s>) and unknown-token rate; vocabulary of 8,000 learned on Multi30k train"
+    )
     print("| kind | file | tokens/sentence | unk rate | byte-fallback token rate |")
     print("| --- | --- | ---: | ---: | ---: |")
     for kind in ("bpe", "wordpiece"):
         tokenizer = trained["Multi30k train EN-DE (58,000 lines)", kind, 8000]
-        for name in ("multi30k-en-de/val.en", "multi30k-en-de/val.de", "newstest2013-en-de/dev.en", "newstest2013-en-de/dev.de", "newstest2013-en-fr/dev.fr"):
+        for name in (
+            "multi30k-en-de/val.en",
+            "multi30k-en-de/val.de",
+            "newstest2013-en-de/dev.en",
+            "newstest2013-en-de/dev.de",
+            "newstest2013-en-fr/dev.fr",
+        ):
             text = lines(root, name)
             unk, byte = unk_and_byte_rate(tokenizer, text)
             print(f"| {kind} | {name} | {lengths(tokenizer, text).mean():.2f} | {unk:.4%} | {byte:.4%} |")
@@ -153,7 +192,9 @@ def main() -> None:
             text = list(iter_lines(path))
             print(f"  {path.parent.name}/{path.name}: {lengths(tokenizer, text).mean():.2f} tokens/sentence")
 
-    print("\n## Padding fraction: token-budget batches vs random batches of the same sizes (BPE 8,000 from Multi30k train)")
+    print(
+        "\n## Padding fraction: token-budget batches vs random batches of the same sizes (BPE 8,000 from Multi30k train)"
+    )
     print("| data | max_tokens | batches | padding, token budget | padding, random order |")
     print("| --- | ---: | ---: | ---: | ---: |")
     tokenizer = trained["Multi30k train EN-DE (58,000 lines)", "bpe", 8000]
@@ -167,8 +208,15 @@ def main() -> None:
             print(f"| {data_name} | {max_tokens} | {count} | {budget:.2%} | {random_order:.2%} |")
 
     pretokenisation_table(root)
-    changed = {name: sum(normalize(line) != line for line in lines(root, name)) for name in (
-        "newstest2013-en-de/dev.en", "newstest2013-en-de/dev.de", "newstest2013-en-fr/dev.fr", "multi30k-en-de/train.de")}
+    changed = {
+        name: sum(normalize(line) != line for line in lines(root, name))
+        for name in (
+            "newstest2013-en-de/dev.en",
+            "newstest2013-en-de/dev.de",
+            "newstest2013-en-fr/dev.fr",
+            "multi30k-en-de/train.de",
+        )
+    }
     print(f"\nLines the normalisation changes: {changed}")
 
 

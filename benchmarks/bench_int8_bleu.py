@@ -37,7 +37,9 @@ def batches(tokenizer, sentences: list[str], batch_size: int) -> list[list[int]]
     return plan_batches(lengths, max_tokens=10**9, max_sentences=batch_size)
 
 
-def translate_ct2(folder: Path, tokenizer, sentences: list[str], num_beams: int, batch_size: int, threads: int) -> list[str]:
+def translate_ct2(
+    folder: Path, tokenizer, sentences: list[str], num_beams: int, batch_size: int, threads: int
+) -> list[str]:
     import ctranslate2
 
     from vaswani_tx.export import ct2_decoding_options
@@ -85,24 +87,39 @@ def main(argv=None) -> int:
             "ours": lambda: Translator(float_model, tokenizer).translate(**ours_options),
             "ours-int8": lambda: Translator(quantize_int8(float_model), tokenizer).translate(**ours_options),
             "ct2": lambda: translate_ct2(ct2[None], tokenizer, sources, args.num_beams, args.batch_size, args.threads),
-            "ct2-int8": lambda: translate_ct2(ct2["int8"], tokenizer, sources, args.num_beams, args.batch_size, args.threads),
+            "ct2-int8": lambda: translate_ct2(
+                ct2["int8"], tokenizer, sources, args.num_beams, args.batch_size, args.threads
+            ),
         }
         for name, run in runs.items():
             start = time.perf_counter()
             hypotheses = run()
             seconds = time.perf_counter() - start
             bleu = score(hypotheses, references, target_lang="de")
-            rows.append({"model": name, "sacrebleu": bleu["sacrebleu"], "signature": bleu["sacrebleu_signature"],
-                         "seconds": seconds, "sentences": len(sources), "num_beams": args.num_beams,
-                         "threads": args.threads, "model_dir": str(args.model)})
+            rows.append(
+                {
+                    "model": name,
+                    "sacrebleu": bleu["sacrebleu"],
+                    "signature": bleu["sacrebleu_signature"],
+                    "seconds": seconds,
+                    "sentences": len(sources),
+                    "num_beams": args.num_beams,
+                    "threads": args.threads,
+                    "model_dir": str(args.model),
+                }
+            )
             print(f"{name:10} BLEU {bleu['sacrebleu']:.2f}  {seconds:.1f} s", flush=True)
     base = {r["model"]: r for r in rows}
-    lines = [f"# Multi30k val, {len(sources)} sentences, beam {args.num_beams}, {args.threads} thread(s), {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
-             f"{'model':10} {'sacreBLEU':>9} {'vs float':>9} {'seconds':>8} {'speed vs ct2-int8':>18}"]
+    lines = [
+        f"# Multi30k val, {len(sources)} sentences, beam {args.num_beams}, {args.threads} thread(s), {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
+        f"{'model':10} {'sacreBLEU':>9} {'vs float':>9} {'seconds':>8} {'speed vs ct2-int8':>18}",
+    ]
     for r in rows:
         reference = "ours" if r["model"].startswith("ours") else "ct2"
-        lines.append(f"{r['model']:10} {r['sacrebleu']:>9.2f} {r['sacrebleu'] - base[reference]['sacrebleu']:>+9.2f} "
-                     f"{r['seconds']:>8.1f} {base['ct2-int8']['seconds'] / r['seconds']:>17.2f}x")
+        lines.append(
+            f"{r['model']:10} {r['sacrebleu']:>9.2f} {r['sacrebleu'] - base[reference]['sacrebleu']:>+9.2f} "
+            f"{r['seconds']:>8.1f} {base['ct2-int8']['seconds'] / r['seconds']:>17.2f}x"
+        )
     lines.append(f"signature: {rows[0]['signature']}")
     text = "\n".join(lines)
     print(text)

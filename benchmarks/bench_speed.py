@@ -68,14 +68,17 @@ def build_models(root: Path) -> dict[str, Path]:
     from vaswani_tx.modeling_vaswani import VaswaniForConditionalGeneration
 
     torch.manual_seed(0)
-    paths = {name: root / name for name in ("ours", "marian", "ct2-ours", "ct2-ours-int8", "ct2-marian", "ct2-marian-int8")}
+    paths = {
+        name: root / name for name in ("ours", "marian", "ct2-ours", "ct2-ours-int8", "ct2-marian", "ct2-marian-int8")
+    }
     ours = VaswaniForConditionalGeneration(VaswaniConfig(**BASE))
     ours.save_pretrained(paths["ours"])
     backend = Tokenizer(models.WordLevel({t: i for i, t in enumerate(vocabulary())}, unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     backend.post_processor = processors.TemplateProcessing(single="$A </s>", special_tokens=[("</s>", EOS)])
-    PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", unk_token="<unk>", bos_token="<s>",
-                            eos_token="</s>").save_pretrained(paths["ours"])
+    PreTrainedTokenizerFast(
+        tokenizer_object=backend, pad_token="<pad>", unk_token="<unk>", bos_token="<s>", eos_token="</s>"
+    ).save_pretrained(paths["ours"])
     export_ct2(paths["ours"], paths["ct2-ours"])
     export_ct2(paths["ours"], paths["ct2-ours-int8"], quantization="int8")
 
@@ -88,13 +91,26 @@ def build_models(root: Path) -> dict[str, Path]:
 
 def marian_config(MarianConfig):
     return MarianConfig(
-        vocab_size=BASE["vocab_size"], decoder_vocab_size=BASE["vocab_size"], d_model=BASE["d_model"],
-        encoder_layers=BASE["num_encoder_layers"], decoder_layers=BASE["num_decoder_layers"],
-        encoder_attention_heads=BASE["num_heads"], decoder_attention_heads=BASE["num_heads"],
-        encoder_ffn_dim=BASE["d_ff"], decoder_ffn_dim=BASE["d_ff"], activation_function="relu",
-        max_position_embeddings=512, scale_embedding=True, share_encoder_decoder_embeddings=True,
-        pad_token_id=MARIAN_PAD, eos_token_id=EOS, decoder_start_token_id=MARIAN_PAD, forced_eos_token_id=None,
-        dropout=0.1, attention_dropout=0.0, activation_dropout=0.0,
+        vocab_size=BASE["vocab_size"],
+        decoder_vocab_size=BASE["vocab_size"],
+        d_model=BASE["d_model"],
+        encoder_layers=BASE["num_encoder_layers"],
+        decoder_layers=BASE["num_decoder_layers"],
+        encoder_attention_heads=BASE["num_heads"],
+        decoder_attention_heads=BASE["num_heads"],
+        encoder_ffn_dim=BASE["d_ff"],
+        decoder_ffn_dim=BASE["d_ff"],
+        activation_function="relu",
+        max_position_embeddings=512,
+        scale_embedding=True,
+        share_encoder_decoder_embeddings=True,
+        pad_token_id=MARIAN_PAD,
+        eos_token_id=EOS,
+        decoder_start_token_id=MARIAN_PAD,
+        forced_eos_token_id=None,
+        dropout=0.1,
+        attention_dropout=0.0,
+        activation_dropout=0.0,
     )
 
 
@@ -134,7 +150,9 @@ def batches(batch_size: int, count: int, seed: int = 0):
             lengths = torch.randint(8, MAX_LENGTH + 1, (batch_size,), generator=g)
             ids = torch.full((batch_size, int(lengths.max())), PAD)
             for row, n in enumerate(lengths.tolist()):
-                ids[row, : n - 1] = torch.randint(4, MARIAN_PAD, (n - 1,), generator=g)  # words both vocabularies share
+                ids[row, : n - 1] = torch.randint(
+                    4, MARIAN_PAD, (n - 1,), generator=g
+                )  # words both vocabularies share
                 ids[row, n - 1] = EOS
             sides.append(ids)
         out.append(tuple(sides))
@@ -192,13 +210,20 @@ def measure_decoding(job: dict, paths: dict[str, str]) -> list[float]:
     if job["model"].startswith("ct2"):
         import ctranslate2
 
-        translator = ctranslate2.Translator(paths[job["model"]], device="cpu", inter_threads=1, intra_threads=job["threads"])
+        translator = ctranslate2.Translator(
+            paths[job["model"]], device="cpu", inter_threads=1, intra_threads=job["threads"]
+        )
         words = vocabulary()
         tokens = [[words[i] for i in row.tolist() if i != PAD] for row in source]
 
         def decode():
-            result = translator.translate_batch(tokens, beam_size=beams, max_decoding_length=new_tokens,
-                                                min_decoding_length=new_tokens, max_batch_size=0)
+            result = translator.translate_batch(
+                tokens,
+                beam_size=beams,
+                max_decoding_length=new_tokens,
+                min_decoding_length=new_tokens,
+                max_batch_size=0,
+            )
             assert all(len(r.hypotheses[0]) == new_tokens for r in result)
     else:
         model = load_torch_model(job["model"], paths, train=False)
@@ -210,8 +235,15 @@ def measure_decoding(job: dict, paths: dict[str, str]) -> list[float]:
 
         def decode():
             with torch.inference_mode():
-                out = model.generate(input_ids=source, attention_mask=mask, num_beams=beams, do_sample=False,
-                                     max_new_tokens=new_tokens, min_new_tokens=new_tokens, **extra)
+                out = model.generate(
+                    input_ids=source,
+                    attention_mask=mask,
+                    num_beams=beams,
+                    do_sample=False,
+                    max_new_tokens=new_tokens,
+                    min_new_tokens=new_tokens,
+                    **extra,
+                )
             assert out.shape[1] == new_tokens + 1
 
     start = time.perf_counter()
@@ -232,7 +264,11 @@ def worker(job: dict) -> None:
     torch.manual_seed(0)
     paths = job["paths"]
     speeds = measure_training(job, paths) if job["task"] == "train" else measure_decoding(job, paths)
-    print(json.dumps({**{k: v for k, v in job.items() if k != "paths"}, "tokens_per_s": speeds, "peak_rss_mib": peak_rss_mib()}))
+    print(
+        json.dumps(
+            {**{k: v for k, v in job.items() if k != "paths"}, "tokens_per_s": speeds, "peak_rss_mib": peak_rss_mib()}
+        )
+    )
 
 
 def peak_rss_mib() -> float:
@@ -242,9 +278,16 @@ def peak_rss_mib() -> float:
 
 
 def run_job(job: dict) -> dict:
-    env = {**os.environ, "OMP_NUM_THREADS": str(job["threads"]), "MKL_NUM_THREADS": str(job["threads"]),
-           "TRANSFORMERS_VERBOSITY": "error", "PYTHONWARNINGS": "ignore"}
-    done = subprocess.run([sys.executable, __file__, "--worker", json.dumps(job)], env=env, capture_output=True, text=True)
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": str(job["threads"]),
+        "MKL_NUM_THREADS": str(job["threads"]),
+        "TRANSFORMERS_VERBOSITY": "error",
+        "PYTHONWARNINGS": "ignore",
+    }
+    done = subprocess.run(
+        [sys.executable, __file__, "--worker", json.dumps(job)], env=env, capture_output=True, text=True
+    )
     if done.returncode:
         raise RuntimeError(f"measurement {job} failed:\n{done.stderr[-3000:]}")
     result = json.loads(done.stdout.strip().splitlines()[-1])
@@ -264,9 +307,17 @@ def machine(threads: int) -> dict:
     cpu = platform.processor()
     with contextlib.suppress(OSError, StopIteration), open("/proc/cpuinfo") as cpuinfo:
         cpu = next(line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name"))
-    return {"cpu": cpu, "cores": os.cpu_count(), "threads": threads, "load_average": os.getloadavg(),
-            "torch": torch.__version__, "transformers": transformers.__version__, "ctranslate2": ctranslate2.__version__,
-            "python": platform.python_version(), "date": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "threads": threads,
+        "load_average": os.getloadavg(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "ctranslate2": ctranslate2.__version__,
+        "python": platform.python_version(),
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    }
 
 
 def plan(args) -> list[dict]:
@@ -275,20 +326,42 @@ def plan(args) -> list[dict]:
     jobs = []
     if "train" in args.tasks:
         for batch in (16, 32):
-            jobs += [{**common, "task": "train", "batch": batch, "beams": 0, "model": m, "repeats": args.train_repeats}
-                     for m in ("ours", "ours-full", "marian") if m in args.models]
+            jobs += [
+                {**common, "task": "train", "batch": batch, "beams": 0, "model": m, "repeats": args.train_repeats}
+                for m in ("ours", "ours-full", "marian")
+                if m in args.models
+            ]
     for task, beams in (("greedy", 1), ("beam4", 4)):
         if task not in args.tasks:
             continue
         for batch in (1, 8):
-            jobs += [{**common, "task": task, "batch": batch, "beams": beams, "model": m}
-                     for m in MODELS if m in args.models and m != "ours-full"]
+            jobs += [
+                {**common, "task": task, "batch": batch, "beams": beams, "model": m}
+                for m in MODELS
+                if m in args.models and m != "ours-full"
+            ]
     return jobs
 
 
-MODELS = ("ours", "ours-full", "ours-static", "marian", "ours-int8", "ct2-ours", "ct2-marian", "ct2-ours-int8", "ct2-marian-int8")
-RATIOS = {"ours": "marian", "ours-full": "marian", "ours-static": "marian", "ours-int8": "ct2-ours-int8",
-          "ct2-ours": "ct2-marian", "ct2-ours-int8": "ct2-marian-int8"}
+MODELS = (
+    "ours",
+    "ours-full",
+    "ours-static",
+    "marian",
+    "ours-int8",
+    "ct2-ours",
+    "ct2-marian",
+    "ct2-ours-int8",
+    "ct2-marian-int8",
+)
+RATIOS = {
+    "ours": "marian",
+    "ours-full": "marian",
+    "ours-static": "marian",
+    "ours-int8": "ct2-ours-int8",
+    "ct2-ours": "ct2-marian",
+    "ct2-ours-int8": "ct2-marian-int8",
+}
 
 
 def merge_rounds(results: list[dict]) -> list[dict]:
@@ -317,7 +390,9 @@ def table(results: list[dict]) -> str:
         if reference and (r["task"], r["batch"], reference) in by_key:
             ratio = f"{r['median'] / by_key[(r['task'], r['batch'], reference)]['median']:.2f}x {reference}"
         spread = f"[{r['low']:.1f}, {r['high']:.1f}]"
-        lines.append(f"{r['task']:7} {r['batch']:>5} {r['model']:16} {r['median']:>15.1f} {spread:>20} {r['peak_rss_mib']:>9.0f}  {ratio}")
+        lines.append(
+            f"{r['task']:7} {r['batch']:>5} {r['model']:16} {r['median']:>15.1f} {spread:>20} {r['peak_rss_mib']:>9.0f}  {ratio}"
+        )
     return "\n".join(lines)
 
 
@@ -349,11 +424,21 @@ def main(argv=None) -> int:
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--threads", type=int, default=1, help="torch/CTranslate2 threads per measurement (default 1)")
     parser.add_argument("--repeats", type=int, default=3, help="timed decoding runs per measurement (default 3)")
-    parser.add_argument("--train-repeats", type=int, default=3, help="timed training steps per measurement (default 3)")
-    parser.add_argument("--new-tokens", type=int, default=32, help="new tokens per sentence when decoding (default 32)")
-    parser.add_argument("--tasks", nargs="+", default=["train", "greedy", "beam4"], choices=["train", "greedy", "beam4"])
-    parser.add_argument("--rounds", type=int, default=1,
-                        help="run the whole plan this many times, interleaved; medians over all runs (default 1)")
+    parser.add_argument(
+        "--train-repeats", type=int, default=3, help="timed training steps per measurement (default 3)"
+    )
+    parser.add_argument(
+        "--new-tokens", type=int, default=32, help="new tokens per sentence when decoding (default 32)"
+    )
+    parser.add_argument(
+        "--tasks", nargs="+", default=["train", "greedy", "beam4"], choices=["train", "greedy", "beam4"]
+    )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run the whole plan this many times, interleaved; medians over all runs (default 1)",
+    )
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS, help="default: all")
     parser.add_argument("--results", type=Path, default=RESULTS, help="folder for speed.jsonl/.out.txt/.png")
     args = parser.parse_args(argv)
@@ -370,8 +455,11 @@ def main(argv=None) -> int:
         for round_ in range(args.rounds):
             for job in plan(args):
                 result = run_job({**job, "paths": paths})
-                print(f"{result['task']:7} b{result['batch']:<3} {result['model']:16} {result['median']:9.1f} tok/s "
-                      f"[{result['low']:.1f}, {result['high']:.1f}] peak {result['peak_rss_mib']:.0f} MiB", flush=True)
+                print(
+                    f"{result['task']:7} b{result['batch']:<3} {result['model']:16} {result['median']:9.1f} tok/s "
+                    f"[{result['low']:.1f}, {result['high']:.1f}] peak {result['peak_rss_mib']:.0f} MiB",
+                    flush=True,
+                )
                 results.append({**result, "round": round_})
     results = merge_rounds(results)
     description["load_average_end"] = os.getloadavg()

@@ -57,11 +57,14 @@ def main(argv: list[str] | None = None) -> dict:
         per_device_train_batch_size=args.batch_size,
         per_device_eval_batch_size=args.batch_size,
         learning_rate=args.learning_rate,
-        adam_beta1=0.9, adam_beta2=0.98, adam_epsilon=1e-9,  # Section 5.3
+        adam_beta1=0.9,
+        adam_beta2=0.98,
+        adam_epsilon=1e-9,  # Section 5.3
         label_smoothing_factor=0.1,  # Section 5.4
         weight_decay=0.0,
         max_grad_norm=0.0,  # the paper clips nothing
-        lr_scheduler_type="constant_with_warmup", warmup_steps=min(100, args.max_steps // 10),
+        lr_scheduler_type="constant_with_warmup",
+        warmup_steps=min(100, args.max_steps // 10),
         predict_with_generate=True,
         generation_num_beams=args.num_beams,
         eval_strategy="no",
@@ -83,8 +86,10 @@ def main(argv: list[str] | None = None) -> dict:
     trainer.train()
     after = trainer.evaluate()
     trainer.save_model(args.output_dir)  # model, tokenizer, generation config and the remote-code files
-    print(f"dev sacreBLEU before {before['eval_sacrebleu']:.2f} -> after {after['eval_sacrebleu']:.2f} "
-          f"(dev loss {before['eval_loss']:.3f} -> {after['eval_loss']:.3f}); saved to {args.output_dir}")
+    print(
+        f"dev sacreBLEU before {before['eval_sacrebleu']:.2f} -> after {after['eval_sacrebleu']:.2f} "
+        f"(dev loss {before['eval_loss']:.3f} -> {after['eval_loss']:.3f}); saved to {args.output_dir}"
+    )
     return {"before": before, "after": after}
 
 

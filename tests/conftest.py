@@ -34,13 +34,22 @@ def tiny_translator(tmp_path_factory, shared_data):
 
     folder = tmp_path_factory.mktemp("tiny-translator")
     corpus = tmp_path_factory.mktemp("tiny-corpus") / "val.txt"
-    corpus.write_text("".join((shared_data / "multi30k-en-de" / f"val.{lang}").read_text(encoding="utf-8")
-                              for lang in ("de", "en")), encoding="utf-8")
+    corpus.write_text(
+        "".join((shared_data / "multi30k-en-de" / f"val.{lang}").read_text(encoding="utf-8") for lang in ("de", "en")),
+        encoding="utf-8",
+    )
     tokenizer = train_tokenizer([corpus], vocab_size=500, show_progress=False)
     torch.manual_seed(0)
-    model = VaswaniForConditionalGeneration(VaswaniConfig(
-        vocab_size=len(tokenizer), d_model=24, num_heads=3, d_ff=40, num_encoder_layers=2, num_decoder_layers=2,
-    )).eval()
+    model = VaswaniForConditionalGeneration(
+        VaswaniConfig(
+            vocab_size=len(tokenizer),
+            d_model=24,
+            num_heads=3,
+            d_ff=40,
+            num_encoder_layers=2,
+            num_decoder_layers=2,
+        )
+    ).eval()
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder, model, tokenizer

@@ -29,8 +29,21 @@ def test_weights_have_the_right_axes_and_sum_to_one(saved):
 
 def test_command_writes_one_png_per_kind_and_layer(saved, tmp_path):
     folder, _, _ = saved
-    assert main(["attention", str(folder), "--source", "Zwei Männer.", "--target", "Two men.",
-                 "--output-dir", str(tmp_path)]) == 0
+    assert (
+        main(
+            [
+                "attention",
+                str(folder),
+                "--source",
+                "Zwei Männer.",
+                "--target",
+                "Two men.",
+                "--output-dir",
+                str(tmp_path),
+            ]
+        )
+        == 0
+    )
     names = sorted(p.name for p in tmp_path.glob("*.png"))
     assert names == sorted(f"{k}-layer{n}.png" for k in ("encoder", "decoder", "cross") for n in (1, 2))
     assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in tmp_path.glob("*.png"))

@@ -29,8 +29,21 @@ def test_train_tokenizer_then_prepare_data(shared_data, tmp_path, capsys):
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     assert len(tokenizer) == 600 and tokenizer.eos_token_id == 3
 
-    argv = ["prepare-data", "--source-file", str(en), "--target-file", str(de), "--tokenizer", str(tokenizer_dir),
-            "--output-dir", str(data_dir), "--cache-dir", str(tmp_path / "cache"), "--max-tokens", "512"]
+    argv = [
+        "prepare-data",
+        "--source-file",
+        str(en),
+        "--target-file",
+        str(de),
+        "--tokenizer",
+        str(tokenizer_dir),
+        "--output-dir",
+        str(data_dir),
+        "--cache-dir",
+        str(tmp_path / "cache"),
+        "--max-tokens",
+        "512",
+    ]
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "pairs read: 1014" in out and "removed, duplicate: 0" in out and "pairs too long for the budget" in out
@@ -40,12 +53,30 @@ def test_train_tokenizer_then_prepare_data(shared_data, tmp_path, capsys):
 
 
 def test_prepare_data_needs_exactly_one_input(tmp_path, capsys):
-    assert main(["prepare-data", "--tsv", "a.tsv", "--jsonl", "b.jsonl", "--tokenizer", str(tmp_path), "--output-dir", str(tmp_path)]) == 2
+    assert (
+        main(
+            [
+                "prepare-data",
+                "--tsv",
+                "a.tsv",
+                "--jsonl",
+                "b.jsonl",
+                "--tokenizer",
+                str(tmp_path),
+                "--output-dir",
+                str(tmp_path),
+            ]
+        )
+        == 2
+    )
     assert "vaswani-tx prepare-data: error: give exactly one input" in capsys.readouterr().err
 
 
 def test_prepare_data_names_a_folder_without_tokenizer(tmp_path, capsys):
-    assert main(["prepare-data", "--tsv", "a.tsv", "--tokenizer", str(tmp_path), "--output-dir", str(tmp_path / "out")]) == 2
+    assert (
+        main(["prepare-data", "--tsv", "a.tsv", "--tokenizer", str(tmp_path), "--output-dir", str(tmp_path / "out")])
+        == 2
+    )
     assert "holds no tokenizer.json; create one with `vaswani-tx train-tokenizer`" in capsys.readouterr().err
 
 
@@ -61,16 +92,35 @@ def test_every_command_reports_bad_input_the_same_way(tmp_path, capsys):
     (tmp_path / "bad.json").write_text("{not json", encoding="utf-8")
     cases = [
         (["train", str(missing / "run.yaml")], "run.yaml"),
-        (["average-checkpoints", str(empty), "--output-dir", str(tmp_path / "avg")], "holds no checkpoint-<step> folders"),
-        (["average-checkpoints", str(empty), "--last", "0", "--output-dir", str(tmp_path / "avg")], "--last must be >= 1"),
+        (
+            ["average-checkpoints", str(empty), "--output-dir", str(tmp_path / "avg")],
+            "holds no checkpoint-<step> folders",
+        ),
+        (
+            ["average-checkpoints", str(empty), "--last", "0", "--output-dir", str(tmp_path / "avg")],
+            "--last must be >= 1",
+        ),
         (["translate", str(missing), "Ein Hund."], "does not exist"),
         (["evaluate", str(empty), "-s", str(missing / "test.en"), "-r", str(missing / "test.de")], "test.en"),
         (["train-tokenizer", str(missing / "train.en"), "--output-dir", str(tmp_path / "tok")], "train.en"),
-        (["prepare-data", "--tsv", str(missing / "pairs.tsv"), "--tokenizer", str(empty), "--output-dir", str(tmp_path / "d")],
-         "holds no tokenizer.json"),
+        (
+            [
+                "prepare-data",
+                "--tsv",
+                str(missing / "pairs.tsv"),
+                "--tokenizer",
+                str(empty),
+                "--output-dir",
+                str(tmp_path / "d"),
+            ],
+            "holds no tokenizer.json",
+        ),
         (["params", str(missing)], "is neither a config file nor a folder"),
         (["params", str(tmp_path / "bad.json")], "bad.json"),
-        (["attention", str(missing), "--source", "Ein Hund.", "--output-dir", str(tmp_path / "maps")], "does not exist"),
+        (
+            ["attention", str(missing), "--source", "Ein Hund.", "--output-dir", str(tmp_path / "maps")],
+            "does not exist",
+        ),
         (["convert", str(missing), str(tmp_path / "out")], "no such file or folder"),
         (["export-marian", str(empty), str(tmp_path / "out")], "not a model folder"),
         (["parse", "score", str(missing / "gold.mrg"), str(missing / "pred.mrg")], "gold.mrg"),

@@ -35,13 +35,37 @@ from vaswani_tx.convert import (
     vaswani_to_marian,
 )
 
-EN = ["a dog runs in the park .", "two men play football .", "the woman reads a book .", "children eat apples .",
-      "a cat sleeps on the sofa .", "the man rides a bike .", "people walk in the street .", "a girl sings a song ."]
-DE = ["ein hund läuft im park .", "zwei männer spielen fußball .", "die frau liest ein buch .", "kinder essen äpfel .",
-      "eine katze schläft auf dem sofa .", "der mann fährt fahrrad .", "leute gehen auf der straße .",
-      "ein mädchen singt ein lied ."]
-SIZES = dict(d_model=24, encoder_layers=2, decoder_layers=2, encoder_attention_heads=3, decoder_attention_heads=3,
-             encoder_ffn_dim=40, decoder_ffn_dim=40, max_position_embeddings=64, dropout=0.0)
+EN = [
+    "a dog runs in the park .",
+    "two men play football .",
+    "the woman reads a book .",
+    "children eat apples .",
+    "a cat sleeps on the sofa .",
+    "the man rides a bike .",
+    "people walk in the street .",
+    "a girl sings a song .",
+]
+DE = [
+    "ein hund läuft im park .",
+    "zwei männer spielen fußball .",
+    "die frau liest ein buch .",
+    "kinder essen äpfel .",
+    "eine katze schläft auf dem sofa .",
+    "der mann fährt fahrrad .",
+    "leute gehen auf der straße .",
+    "ein mädchen singt ein lied .",
+]
+SIZES = dict(
+    d_model=24,
+    encoder_layers=2,
+    decoder_layers=2,
+    encoder_attention_heads=3,
+    decoder_attention_heads=3,
+    encoder_ffn_dim=40,
+    decoder_ffn_dim=40,
+    max_position_embeddings=64,
+    dropout=0.0,
+)
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -77,8 +101,14 @@ def _spm(lines: list[str], folder, name: str) -> list[str]:
     import sentencepiece as spm
 
     model = io.BytesIO()
-    spm.SentencePieceTrainer.train(sentence_iterator=iter(lines), model_writer=model, vocab_size=40,
-                                   model_type="bpe", hard_vocab_limit=False, minloglevel=2)
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(lines),
+        model_writer=model,
+        vocab_size=40,
+        model_type="bpe",
+        hard_vocab_limit=False,
+        minloglevel=2,
+    )
     (folder / name).write_bytes(model.getvalue())
     processor = spm.SentencePieceProcessor(model_proto=model.getvalue())
     pieces = [processor.id_to_piece(i) for i in range(processor.get_piece_size())]
@@ -90,7 +120,9 @@ def _marian_folder(folder, share: bool, activation: str) -> MarianMTModel:
     folder.mkdir()
     vocabularies = []
     for name, lines in (("source.spm", EN + (DE if share else [])), ("target.spm", DE + (EN if share else []))):
-        vocabularies.append({token: i for i, token in enumerate(["</s>", "<unk>", *_spm(lines, folder, name), "<pad>"])})
+        vocabularies.append(
+            {token: i for i, token in enumerate(["</s>", "<unk>", *_spm(lines, folder, name), "<pad>"])}
+        )
     if share:
         merged = dict(vocabularies[0])
         for token in vocabularies[1]:
@@ -100,16 +132,31 @@ def _marian_folder(folder, share: bool, activation: str) -> MarianMTModel:
     (folder / "vocab.json").write_text(json.dumps(vocabularies[0]), encoding="utf-8")
     if not share:
         (folder / "target_vocab.json").write_text(json.dumps(vocabularies[1]), encoding="utf-8")
-    (folder / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "MarianTokenizer", "source_lang": "en", "target_lang": "de", "separate_vocabs": not share,
-    }), encoding="utf-8")
+    (folder / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "MarianTokenizer",
+                "source_lang": "en",
+                "target_lang": "de",
+                "separate_vocabs": not share,
+            }
+        ),
+        encoding="utf-8",
+    )
     source_size, target_size = len(vocabularies[0]), len(vocabularies[1])
     torch.manual_seed(0)
-    marian = MarianMTModel(MarianConfig(
-        vocab_size=source_size, decoder_vocab_size=target_size, activation_function=activation,
-        pad_token_id=target_size - 1, eos_token_id=0, decoder_start_token_id=target_size - 1,
-        share_encoder_decoder_embeddings=share, **SIZES,
-    )).eval()
+    marian = MarianMTModel(
+        MarianConfig(
+            vocab_size=source_size,
+            decoder_vocab_size=target_size,
+            activation_function=activation,
+            pad_token_id=target_size - 1,
+            eos_token_id=0,
+            decoder_start_token_id=target_size - 1,
+            share_encoder_decoder_embeddings=share,
+            **SIZES,
+        )
+    ).eval()
     _randomize(marian)
     marian.generation_config.update(num_beams=2, max_length=12, bad_words_ids=[[target_size - 1]])
     marian.save_pretrained(folder)
@@ -154,12 +201,17 @@ def test_marian_converts_exactly(marian_pair):
     share = marian.config.share_encoder_decoder_embeddings
     assert config.attention_bias and config.final_logits_bias
     assert config.activation_function == ("relu" if share else "swish")
-    assert config.share_encoder_decoder_embeddings == share and config.target_vocab_size == marian.config.decoder_vocab_size
+    assert (
+        config.share_encoder_decoder_embeddings == share
+        and config.target_vocab_size == marian.config.decoder_vocab_size
+    )
     assert config.decoder_start_token_id == config.pad_token_id == marian.config.pad_token_id  # Marian starts with pad
     generation = json.loads((folder / "generation_config.json").read_text())
     assert generation["num_beams"] == 2 and generation["max_length"] == 12 and generation["bad_words_ids"]
     assert generation["length_penalty_type"] == "hf" and generation["max_output_length_offset"] is None
-    assert {"model.safetensors", "modeling_vaswani.py", "pipeline_vaswani.py", "vocab.json"} <= {p.name for p in folder.iterdir()}
+    assert {"model.safetensors", "modeling_vaswani.py", "pipeline_vaswani.py", "vocab.json"} <= {
+        p.name for p in folder.iterdir()
+    }
     assert type(AutoTokenizer.from_pretrained(folder)).__name__ == "MarianTokenizer"
     _assert_same_translations(marian, folder, EN[:3])
 
@@ -177,12 +229,26 @@ def test_converted_model_fine_tunes_with_the_recipe_and_saves(marian_pair, tmp_p
     model = VaswaniForConditionalGeneration.from_pretrained(folder)
     before = model.model.encoder.layers[0].self_attn.q_proj.bias.clone()
     pairs = Dataset.from_dict({"source": EN, "target": DE})
-    args = Seq2SeqTrainingArguments(output_dir=str(tmp_path / "run"), max_steps=3, learning_rate=1.0, warmup_steps=2,
-                                    lr_scheduler_type="inverse_sqrt", label_smoothing_factor=0.1, use_cpu=True,
-                                    report_to="none", save_strategy="no", logging_steps=1)
-    trainer = VaswaniTrainer(model=model, args=args, train_dataset=tokenize_pairs(pairs, tokenizer),
-                             data_collator=DataCollatorForSeq2Seq(tokenizer, model=model, label_pad_token_id=-100),
-                             processing_class=tokenizer, max_tokens=64)
+    args = Seq2SeqTrainingArguments(
+        output_dir=str(tmp_path / "run"),
+        max_steps=3,
+        learning_rate=1.0,
+        warmup_steps=2,
+        lr_scheduler_type="inverse_sqrt",
+        label_smoothing_factor=0.1,
+        use_cpu=True,
+        report_to="none",
+        save_strategy="no",
+        logging_steps=1,
+    )
+    trainer = VaswaniTrainer(
+        model=model,
+        args=args,
+        train_dataset=tokenize_pairs(pairs, tokenizer),
+        data_collator=DataCollatorForSeq2Seq(tokenizer, model=model, label_pad_token_id=-100),
+        processing_class=tokenizer,
+        max_tokens=64,
+    )
     result = trainer.train()
     assert result.global_step == 3 and torch.isfinite(torch.tensor(result.training_loss))
     assert not torch.equal(before, model.model.encoder.layers[0].self_attn.q_proj.bias)
@@ -191,8 +257,10 @@ def test_converted_model_fine_tunes_with_the_recipe_and_saves(marian_pair, tmp_p
     ids, mask = _batch(model.config.vocab_size, 1)
     target = torch.full((3, 1), model.config.decoder_start_token_id)
     with torch.no_grad():
-        torch.testing.assert_close(reloaded(input_ids=ids, attention_mask=mask, decoder_input_ids=target).logits,
-                                   model.eval()(input_ids=ids, attention_mask=mask, decoder_input_ids=target).logits)
+        torch.testing.assert_close(
+            reloaded(input_ids=ids, attention_mask=mask, decoder_input_ids=target).logits,
+            model.eval()(input_ids=ids, attention_mask=mask, decoder_input_ids=target).logits,
+        )
 
 
 # --- FSMT and fairseq --------------------------------------------------------------------------------------------
@@ -203,21 +271,30 @@ LETTERS = sorted(set("".join(EN + DE).replace(" ", "")))
 def _fairseq_dictionary(folder, lang: str) -> list[str]:
     """fairseq's `dict.<lang>.txt` (`token count`) over single letters, `@@` marking a continued word."""
     tokens = [*(f"{c}@@" for c in LETTERS), *LETTERS, "th@@", "th"]
-    (folder / f"dict.{lang}.txt").write_text("".join(f"{t} {100 - i}\n" for i, t in enumerate(tokens)), encoding="utf-8")
+    (folder / f"dict.{lang}.txt").write_text(
+        "".join(f"{t} {100 - i}\n" for i, t in enumerate(tokens)), encoding="utf-8"
+    )
     return ["<s>", "<pad>", "</s>", "<unk>", *tokens]
 
 
 def _fsmt_model(src_size: int, tgt_size: int, tie: bool) -> FSMTForConditionalGeneration:
     torch.manual_seed(0)
-    fsmt = FSMTForConditionalGeneration(FSMTConfig(
-        langs=["en", "de"], src_vocab_size=src_size, tgt_vocab_size=tgt_size, tie_word_embeddings=tie,
-        **{**SIZES, "encoder_ffn_dim": 48},  # a wider encoder FFN, as in the WMT19 models (8192 / 4096)
-    )).eval()
+    fsmt = FSMTForConditionalGeneration(
+        FSMTConfig(
+            langs=["en", "de"],
+            src_vocab_size=src_size,
+            tgt_vocab_size=tgt_size,
+            tie_word_embeddings=tie,
+            **{**SIZES, "encoder_ffn_dim": 48},  # a wider encoder FFN, as in the WMT19 models (8192 / 4096)
+        )
+    ).eval()
     _randomize(fsmt)
     return fsmt
 
 
-def _write_fairseq(fsmt: FSMTForConditionalGeneration, path, *, layout: str = "args", legacy: bool = False, **settings):
+def _write_fairseq(
+    fsmt: FSMTForConditionalGeneration, path, *, layout: str = "args", legacy: bool = False, **settings
+):
     """A fairseq checkpoint from FSMT's weights: transformers' documented fairseq-to-FSMT key mapping run
     backwards (drop the `model.` prefix; add the `version` and `_float_tensor` entries FSMT drops)."""
     c = fsmt.config
@@ -230,7 +307,9 @@ def _write_fairseq(fsmt: FSMTForConditionalGeneration, path, *, layout: str = "a
         for key in [k for k in model if k.endswith("q_proj.weight") or k.endswith("q_proj.bias")]:
             kind = key.rsplit(".", 1)[1]
             base = key.rsplit(".", 2)[0]
-            model[f"{base}.in_proj_{kind}"] = torch.cat([model.pop(f"{base}.{p}.{kind}") for p in ("q_proj", "k_proj", "v_proj")])
+            model[f"{base}.in_proj_{kind}"] = torch.cat(
+                [model.pop(f"{base}.{p}.{kind}") for p in ("q_proj", "k_proj", "v_proj")]
+            )
         for key in list(model):
             renamed = re.sub(r"^(encoder\.layers\.\d+)\.self_attn_layer_norm", r"\1.layer_norms.0", key)
             renamed = re.sub(r"^(encoder\.layers\.\d+)\.final_layer_norm", r"\1.layer_norms.1", renamed)
@@ -240,22 +319,51 @@ def _write_fairseq(fsmt: FSMTForConditionalGeneration, path, *, layout: str = "a
         model[f"{stack}.version"] = torch.tensor([3.0])
         model[f"{stack}.embed_positions._float_tensor"] = torch.tensor([1.0])
     values = dict(
-        arch="transformer_wmt_en_de", source_lang="en", target_lang="de", encoder_embed_dim=c.d_model,
-        decoder_embed_dim=c.d_model, encoder_ffn_embed_dim=c.encoder_ffn_dim, decoder_ffn_embed_dim=c.decoder_ffn_dim,
-        encoder_layers=c.encoder_layers, decoder_layers=c.decoder_layers, encoder_attention_heads=c.encoder_attention_heads,
-        decoder_attention_heads=c.decoder_attention_heads, encoder_normalize_before=False, decoder_normalize_before=False,
-        encoder_learned_pos=False, decoder_learned_pos=False, share_all_embeddings=c.tie_word_embeddings,
-        share_decoder_input_output_embed=c.tie_word_embeddings, no_scale_embedding=False, activation_fn="relu",
-        dropout=0.1, attention_dropout=0.0, max_source_positions=1024, max_target_positions=1024,
+        arch="transformer_wmt_en_de",
+        source_lang="en",
+        target_lang="de",
+        encoder_embed_dim=c.d_model,
+        decoder_embed_dim=c.d_model,
+        encoder_ffn_embed_dim=c.encoder_ffn_dim,
+        decoder_ffn_embed_dim=c.decoder_ffn_dim,
+        encoder_layers=c.encoder_layers,
+        decoder_layers=c.decoder_layers,
+        encoder_attention_heads=c.encoder_attention_heads,
+        decoder_attention_heads=c.decoder_attention_heads,
+        encoder_normalize_before=False,
+        decoder_normalize_before=False,
+        encoder_learned_pos=False,
+        decoder_learned_pos=False,
+        share_all_embeddings=c.tie_word_embeddings,
+        share_decoder_input_output_embed=c.tie_word_embeddings,
+        no_scale_embedding=False,
+        activation_fn="relu",
+        dropout=0.1,
+        attention_dropout=0.0,
+        max_source_positions=1024,
+        max_target_positions=1024,
     )
     values.update(settings)
-    checkpoint = {"model": model, "optimizer_history": [{"criterion_name": "LabelSmoothedCrossEntropyCriterion",
-                                                         "optimizer_name": "FairseqAdam", "num_updates": 300000}],
-                  "extra_state": {"epoch": 40, "val_loss": numpy.float64(3.9)}, "last_optimizer_state": None}
+    checkpoint = {
+        "model": model,
+        "optimizer_history": [
+            {
+                "criterion_name": "LabelSmoothedCrossEntropyCriterion",
+                "optimizer_name": "FairseqAdam",
+                "num_updates": 300000,
+            }
+        ],
+        "extra_state": {"epoch": 40, "val_loss": numpy.float64(3.9)},
+        "last_optimizer_state": None,
+    }
     if layout == "args":
         checkpoint["args"] = argparse.Namespace(**values)
     else:  # fairseq >= 0.10: a plain-dict cfg with model and task sections
-        task = {"_name": "translation", "source_lang": values.pop("source_lang"), "target_lang": values.pop("target_lang")}
+        task = {
+            "_name": "translation",
+            "source_lang": values.pop("source_lang"),
+            "target_lang": values.pop("target_lang"),
+        }
         checkpoint["cfg"] = {"model": {"_name": values.pop("arch"), **values}, "task": task, "common": {"seed": 1}}
     torch.save(checkpoint, path)
 
@@ -290,8 +398,11 @@ def test_fsmt_converts_exactly(fairseq_folder, tmp_path):
     _assert_same_translations(fsmt, tmp_path / "out", EN[:3])
 
 
-@pytest.mark.parametrize("layout,legacy", [("args", False), ("cfg", False), ("args", True)],
-                         ids=["args-namespace", "cfg-dict", "fairseq-0.6-in_proj"])
+@pytest.mark.parametrize(
+    "layout,legacy",
+    [("args", False), ("cfg", False), ("args", True)],
+    ids=["args-namespace", "cfg-dict", "fairseq-0.6-in_proj"],
+)
 def test_fairseq_checkpoint_gives_the_fsmt_logits(fairseq_folder, tmp_path, layout, legacy):
     source, fsmt = fairseq_folder
     for name in ("dict.en.txt", "dict.de.txt", "bpecodes"):
@@ -325,9 +436,12 @@ def test_shared_fairseq_vocabulary_ties_all_three_tables(tmp_path):
     ids, mask = _batch(size, 4)
     target = torch.randint(4, size, (3, 4))
     with torch.no_grad():
-        torch.testing.assert_close(model(input_ids=ids, attention_mask=mask, decoder_input_ids=target).logits,
-                                   fsmt(input_ids=ids, attention_mask=mask, decoder_input_ids=target, use_cache=False).logits,
-                                   rtol=0, atol=1e-5)
+        torch.testing.assert_close(
+            model(input_ids=ids, attention_mask=mask, decoder_input_ids=target).logits,
+            fsmt(input_ids=ids, attention_mask=mask, decoder_input_ids=target, use_cache=False).logits,
+            rtol=0,
+            atol=1e-5,
+        )
 
 
 # --- Ours -> Marian -> ours ------------------------------------------------------------------------------------
@@ -340,9 +454,16 @@ def test_round_trip_through_marian(tmp_path):
     corpus.write_text("\n".join(EN + DE) + "\n", encoding="utf-8")
     tokenizer = train_tokenizer([corpus], vocab_size=300, show_progress=False)
     torch.manual_seed(0)
-    model = VaswaniForConditionalGeneration(VaswaniConfig(
-        vocab_size=len(tokenizer), d_model=24, num_heads=3, d_ff=40, num_encoder_layers=2, num_decoder_layers=2,
-    )).eval()
+    model = VaswaniForConditionalGeneration(
+        VaswaniConfig(
+            vocab_size=len(tokenizer),
+            d_model=24,
+            num_heads=3,
+            d_ff=40,
+            num_encoder_layers=2,
+            num_decoder_layers=2,
+        )
+    ).eval()
     model.save_pretrained(tmp_path / "ours")
     tokenizer.save_pretrained(tmp_path / "ours")
     assert main(["export-marian", str(tmp_path / "ours"), str(tmp_path / "marian")]) == 0
@@ -353,19 +474,25 @@ def test_round_trip_through_marian(tmp_path):
     target = torch.randint(4, len(tokenizer), (3, 7))
     with torch.no_grad():
         ours_logits = model(input_ids=ids, attention_mask=mask, decoder_input_ids=target).logits
-        torch.testing.assert_close(marian(input_ids=ids, attention_mask=mask, decoder_input_ids=target).logits,
-                                   ours_logits, rtol=0, atol=1e-5)
+        torch.testing.assert_close(
+            marian(input_ids=ids, attention_mask=mask, decoder_input_ids=target).logits, ours_logits, rtol=0, atol=1e-5
+        )
     convert(tmp_path / "marian", tmp_path / "back")
     back = VaswaniForConditionalGeneration.from_pretrained(tmp_path / "back").eval()
-    assert back.config.to_diff_dict() | {"custom_pipelines": None} == model.config.to_diff_dict() | {"custom_pipelines": None}
+    assert back.config.to_diff_dict() | {"custom_pipelines": None} == model.config.to_diff_dict() | {
+        "custom_pipelines": None
+    }
     with torch.no_grad():
         assert torch.equal(back(input_ids=ids, attention_mask=mask, decoder_input_ids=target).logits, ours_logits)
     assert AutoTokenizer.from_pretrained(tmp_path / "back")("a dog").input_ids == tokenizer("a dog").input_ids
 
 
 def test_options_marian_cannot_hold_are_refused():
-    model = VaswaniForConditionalGeneration(VaswaniConfig(vocab_size=30, d_model=16, num_heads=2, d_ff=32,
-                                                          num_encoder_layers=1, num_decoder_layers=1, d_k=4))
+    model = VaswaniForConditionalGeneration(
+        VaswaniConfig(
+            vocab_size=30, d_model=16, num_heads=2, d_ff=32, num_encoder_layers=1, num_decoder_layers=1, d_k=4
+        )
+    )
     with pytest.raises(ConversionError, match=r"d_k=4 with num_heads=2"):
         vaswani_to_marian(model)
     model.config.position_encoding = "learned"
@@ -386,8 +513,15 @@ def test_folder_of_another_model_type_is_refused(tmp_path, capsys):
 
 
 def test_unrepresentable_marian_config_is_refused_before_writing(tmp_path):
-    marian = MarianMTModel(MarianConfig(vocab_size=20, pad_token_id=19, decoder_start_token_id=19, eos_token_id=0,
-                                        **{**SIZES, "decoder_attention_heads": 2}))
+    marian = MarianMTModel(
+        MarianConfig(
+            vocab_size=20,
+            pad_token_id=19,
+            decoder_start_token_id=19,
+            eos_token_id=0,
+            **{**SIZES, "decoder_attention_heads": 2},
+        )
+    )
     with pytest.raises(ConversionError, match="encoder_attention_heads=3 differs from decoder_attention_heads=2"):
         marian_to_vaswani(marian)
     marian.config.activation_function = "gelu"
@@ -406,7 +540,9 @@ def small_fairseq(tmp_path):
 def test_unsupported_fairseq_architecture_and_flags_are_named(small_fairseq):
     folder, fsmt = small_fairseq
     _write_fairseq(fsmt, folder / "model.pt", arch="transformer_lm_gpt")
-    with pytest.raises(CheckpointError, match=r"architecture 'transformer_lm_gpt' is not supported; supported: transformer, "):
+    with pytest.raises(
+        CheckpointError, match=r"architecture 'transformer_lm_gpt' is not supported; supported: transformer, "
+    ):
         fairseq_to_vaswani(folder / "model.pt")
     _write_fairseq(fsmt, folder / "model.pt", encoder_normalize_before=True)
     with pytest.raises(ConversionError, match="encoder_normalize_before=True cannot be represented: a pre-LN encoder"):
@@ -434,7 +570,9 @@ def test_dictionary_of_another_size_is_refused(small_fairseq):
     _write_fairseq(fsmt, folder / "model.pt")
     lines = (folder / "dict.de.txt").read_text(encoding="utf-8").splitlines()
     (folder / "dict.de.txt").write_text("\n".join(lines[:-1]) + "\n", encoding="utf-8")
-    with pytest.raises(ConversionError, match=r"dict\.de\.txt: \d+ tokens .* but decoder\.embed_tokens\.weight has \d+ rows"):
+    with pytest.raises(
+        ConversionError, match=r"dict\.de\.txt: \d+ tokens .* but decoder\.embed_tokens\.weight has \d+ rows"
+    ):
         fairseq_to_vaswani(folder / "model.pt")
 
 
@@ -449,7 +587,9 @@ class _Exploit:
 def test_pickle_importing_outside_the_allow_list_is_refused_and_nothing_runs(small_fairseq):
     folder, fsmt = small_fairseq
     marker = folder / "pwned"
-    torch.save({"model": {"encoder.embed_tokens.weight": torch.zeros(2, 2)}, "args": _Exploit(marker)}, folder / "model.pt")
+    torch.save(
+        {"model": {"encoder.embed_tokens.weight": torch.zeros(2, 2)}, "args": _Exploit(marker)}, folder / "model.pt"
+    )
     with pytest.raises(CheckpointError, match=r"refused to unpickle.*system"):
         fairseq_to_vaswani(folder / "model.pt")
     assert not marker.exists()
@@ -462,22 +602,45 @@ def test_pickle_importing_outside_the_allow_list_is_refused_and_nothing_runs(sma
 
 def test_options_are_off_by_default_and_the_default_model_is_the_papers():
     config = VaswaniConfig(vocab_size=30, d_model=16, num_heads=2, d_ff=32, num_encoder_layers=1, num_decoder_layers=1)
-    assert (config.attention_bias, config.activation_function, config.final_logits_bias,
-            config.share_encoder_decoder_embeddings, config.decoder_vocab_size) == (False, "relu", False, True, None)
+    assert (
+        config.attention_bias,
+        config.activation_function,
+        config.final_logits_bias,
+        config.share_encoder_decoder_embeddings,
+        config.decoder_vocab_size,
+    ) == (False, "relu", False, True, None)
     model = VaswaniForConditionalGeneration(config)
-    assert all(not name.endswith(("q_proj.bias", "k_proj.bias", "v_proj.bias", "out_proj.bias"))
-               for name, _ in model.named_parameters())
+    assert all(
+        not name.endswith(("q_proj.bias", "k_proj.bias", "v_proj.bias", "out_proj.bias"))
+        for name, _ in model.named_parameters()
+    )
     assert not hasattr(model, "final_logits_bias") and config.target_vocab_size == 30
 
 
 def test_options_count_and_validate():
-    config = VaswaniConfig(vocab_size=30, decoder_vocab_size=20, share_encoder_decoder_embeddings=False,
-                           tie_word_embeddings=False, attention_bias=True, d_model=16, num_heads=2, d_ff=32, decoder_d_ff=24,
-                           num_encoder_layers=1, num_decoder_layers=2, pad_token_id=1, eos_token_id=2,
-                           bos_token_id=0, decoder_start_token_id=2)
+    config = VaswaniConfig(
+        vocab_size=30,
+        decoder_vocab_size=20,
+        share_encoder_decoder_embeddings=False,
+        tie_word_embeddings=False,
+        attention_bias=True,
+        d_model=16,
+        num_heads=2,
+        d_ff=32,
+        decoder_d_ff=24,
+        num_encoder_layers=1,
+        num_decoder_layers=2,
+        pad_token_id=1,
+        eos_token_id=2,
+        bos_token_id=0,
+        decoder_start_token_id=2,
+    )
     model = VaswaniForConditionalGeneration(config)
     assert sum(p.numel() for p in model.parameters()) == config.num_parameters_closed_form()
-    assert model.lm_head.weight.shape == (20, 16) and model.model.decoder.embeddings.embed_tokens.weight.shape == (20, 16)
+    assert model.lm_head.weight.shape == (20, 16) and model.model.decoder.embeddings.embed_tokens.weight.shape == (
+        20,
+        16,
+    )
     with pytest.raises(ValueError, match="activation_function='gelu' is not allowed"):
         VaswaniConfig(activation_function="gelu")
     with pytest.raises(ValueError, match="decoder_vocab_size=20 differs from vocab_size=30"):
@@ -506,8 +669,13 @@ def test_model_card_lists_the_options_and_what_needs_them(marian_pair):
 
     _, root = marian_pair
     model = VaswaniForConditionalGeneration.from_pretrained(root / "converted")
-    card = render_model_card(model, repo="me/opus-mt-en-de-vaswani", source_lang="en", target_lang="de",
-                             training_data="OPUS (converted from MarianMT)")
+    card = render_model_card(
+        model,
+        repo="me/opus-mt-en-de-vaswani",
+        source_lang="en",
+        target_lang="de",
+        training_data="OPUS (converted from MarianMT)",
+    )
     assert "| `attention_bias` | `False` | `True` | Marian (OPUS-MT), FSMT and fairseq" in card
     assert "`final_logits_bias=True`: a fixed bias is added to the logits." in card
 

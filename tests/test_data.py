@@ -101,9 +101,14 @@ def test_lines_split_on_newline_only(tmp_path):
 
 def test_tsv(tmp_path):
     good = _write(tmp_path / "p.tsv", "Hello.\tHallo.\nYes\tJa\n")
-    assert data.read_tsv(good, cache_dir=tmp_path / "cache").to_dict() == {"source": ["Hello.", "Yes"], "target": ["Hallo.", "Ja"]}
+    assert data.read_tsv(good, cache_dir=tmp_path / "cache").to_dict() == {
+        "source": ["Hello.", "Yes"],
+        "target": ["Hallo.", "Ja"],
+    }
     bad = _write(tmp_path / "bad.tsv", "a\tb\na\tb\tc\n")
-    with pytest.raises(CorpusError, match=r"bad\.tsv, line 2: expected 2 tab-separated fields \(source, target\), got 3"):
+    with pytest.raises(
+        CorpusError, match=r"bad\.tsv, line 2: expected 2 tab-separated fields \(source, target\), got 3"
+    ):
         data.read_tsv(bad, cache_dir=tmp_path / "cache")
     with pytest.raises(CorpusError, match=r"empty corpus: .*none\.tsv has no lines"):
         data.read_tsv(_write(tmp_path / "none.tsv", ""), cache_dir=tmp_path / "cache")
@@ -113,7 +118,10 @@ def test_jsonl(tmp_path):
     flat = _write(tmp_path / "f.jsonl", '{"source": "Hi", "target": "Salut"}\n')
     assert data.read_jsonl(flat, cache_dir=tmp_path / "cache")[0] == {"source": "Hi", "target": "Salut"}
     nested = _write(tmp_path / "n.jsonl", '{"translation": {"de": "Hallo", "en": "Hello"}}\n')
-    assert data.read_jsonl(nested, source_key="en", target_key="de", cache_dir=tmp_path / "cache")[0] == {"source": "Hello", "target": "Hallo"}
+    assert data.read_jsonl(nested, source_key="en", target_key="de", cache_dir=tmp_path / "cache")[0] == {
+        "source": "Hello",
+        "target": "Hallo",
+    }
     bad = _write(tmp_path / "b.jsonl", '{"source": "a", "target": "b"}\n{"source": "a"\n')
     with pytest.raises(CorpusError, match=r"b\.jsonl, line 2: not JSON"):
         data.read_jsonl(bad, cache_dir=tmp_path / "cache")
@@ -138,7 +146,10 @@ def test_wmt14_uses_the_hub_and_selects_the_direction(monkeypatch):
 
 def test_wmt14_offline_error_is_clear(monkeypatch):
     monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)  # fail at once instead of retrying DNS
-    with pytest.raises(ConnectionError, match=r"could not load WMT14 fr-en \(train\) from the Hugging Face Hub \(wmt/wmt14\).*use local files"):
+    with pytest.raises(
+        ConnectionError,
+        match=r"could not load WMT14 fr-en \(train\) from the Hugging Face Hub \(wmt/wmt14\).*use local files",
+    ):
         data.load_wmt14("en", "fr", cache_dir=None)
 
 
@@ -162,7 +173,9 @@ def test_cleaning_counts_each_rule():
 
 
 def test_cleaning_multi30k_train(shared_data, tmp_path):
-    pairs = data.read_parallel_files(shared_data / "multi30k-en-de/train.en", shared_data / "multi30k-en-de/train.de", cache_dir=tmp_path)
+    pairs = data.read_parallel_files(
+        shared_data / "multi30k-en-de/train.en", shared_data / "multi30k-en-de/train.de", cache_dir=tmp_path
+    )
     kept, report = clean_pairs(pairs)
     # the two pairs whose German side is the placeholder "@@", and three repeated captions
     assert report.removed == {"empty": 0, "length": 0, "length ratio": 2, "duplicate": 3}
@@ -201,7 +214,9 @@ def test_tokenize_is_cached_and_num_proc_agrees(val_files, tokenizer, tmp_path):
     files = [entry["filename"] for entry in first.cache_files]
     assert len(files) == 2 and all(name.startswith(str(tmp_path)) for name in files)
     stamps = [(name, os.stat(name).st_mtime_ns) for name in files]
-    again = tokenize_pairs(data.read_parallel_files(*val_files, cache_dir=tmp_path).select(range(300)), tokenizer, num_proc=2)
+    again = tokenize_pairs(
+        data.read_parallel_files(*val_files, cache_dir=tmp_path).select(range(300)), tokenizer, num_proc=2
+    )
     assert [(name, os.stat(name).st_mtime_ns) for name in (e["filename"] for e in again.cache_files)] == stamps
     single = tokenize_pairs(pairs, tokenizer)
     assert single["labels"] == first["labels"] and single["input_ids"] == first["input_ids"]
@@ -239,7 +254,10 @@ def test_sampler_never_exceeds_the_budget_and_covers_every_pair(multiple):
 
 def test_sampler_same_seed_same_batches_and_epochs_differ():
     source, target = _lengths()
-    first, second = TokenBudgetBatchSampler(source, target, 1000, seed=7), TokenBudgetBatchSampler(source, target, 1000, seed=7)
+    first, second = (
+        TokenBudgetBatchSampler(source, target, 1000, seed=7),
+        TokenBudgetBatchSampler(source, target, 1000, seed=7),
+    )
     assert list(first) == list(second)
     epoch0 = list(first)
     first.set_epoch(1)
@@ -322,7 +340,9 @@ def test_sampler_drops_and_counts_oversized_pairs(caplog):
 
 @pytest.mark.parametrize("max_tokens", [0, -5, 2.5])
 def test_sampler_rejects_bad_budget(max_tokens):
-    with pytest.raises(ValueError, match=rf"max_tokens must be a positive number of tokens per batch, got {max_tokens}"):
+    with pytest.raises(
+        ValueError, match=rf"max_tokens must be a positive number of tokens per batch, got {max_tokens}"
+    ):
         TokenBudgetBatchSampler([1], [1], max_tokens)
 
 
@@ -337,7 +357,9 @@ def test_sampler_rejects_bad_setup():
 
 def test_sampler_in_a_plain_dataloader(encoded_val, tokenizer):
     sampler = TokenBudgetBatchSampler.from_dataset(encoded_val, 600, pad_to_multiple_of=8)
-    loader = DataLoader(encoded_val, batch_sampler=sampler, collate_fn=DataCollatorForSeq2Seq(tokenizer, pad_to_multiple_of=8))
+    loader = DataLoader(
+        encoded_val, batch_sampler=sampler, collate_fn=DataCollatorForSeq2Seq(tokenizer, pad_to_multiple_of=8)
+    )
     rows = 0
     for batch in loader:
         assert batch["input_ids"].numel() <= 600 and batch["labels"].numel() <= 600
@@ -348,9 +370,20 @@ def test_sampler_in_a_plain_dataloader(encoded_val, tokenizer):
 def test_trainer_subclass_trains_on_token_budget_batches(encoded_val, tokenizer, tmp_path):
     torch.manual_seed(0)
     config = MarianConfig(
-        vocab_size=len(tokenizer), d_model=24, encoder_layers=1, decoder_layers=1, encoder_attention_heads=3,
-        decoder_attention_heads=3, encoder_ffn_dim=32, decoder_ffn_dim=32, max_position_embeddings=256,
-        pad_token_id=0, eos_token_id=3, bos_token_id=2, decoder_start_token_id=2, forced_eos_token_id=None,
+        vocab_size=len(tokenizer),
+        d_model=24,
+        encoder_layers=1,
+        decoder_layers=1,
+        encoder_attention_heads=3,
+        decoder_attention_heads=3,
+        encoder_ffn_dim=32,
+        decoder_ffn_dim=32,
+        max_position_embeddings=256,
+        pad_token_id=0,
+        eos_token_id=3,
+        bos_token_id=2,
+        decoder_start_token_id=2,
+        forced_eos_token_id=None,
     )
     model = MarianMTModel(config)
     collator = DataCollatorForSeq2Seq(tokenizer, model=model)
@@ -362,12 +395,24 @@ def test_trainer_subclass_trains_on_token_budget_batches(encoded_val, tokenizer,
         return batch
 
     args = Seq2SeqTrainingArguments(
-        output_dir=str(tmp_path), max_steps=3, learning_rate=1e-3, report_to=[], use_cpu=True,
-        save_strategy="no", logging_steps=1, seed=0,
+        output_dir=str(tmp_path),
+        max_steps=3,
+        learning_rate=1e-3,
+        report_to=[],
+        use_cpu=True,
+        save_strategy="no",
+        logging_steps=1,
+        seed=0,
     )
     trainer = TokenBudgetSeq2SeqTrainer(
-        model=model, args=args, train_dataset=encoded_val, eval_dataset=encoded_val.select(range(120)),
-        data_collator=recording_collator, processing_class=tokenizer, max_tokens=300, eval_max_tokens=500,
+        model=model,
+        args=args,
+        train_dataset=encoded_val,
+        eval_dataset=encoded_val.select(range(120)),
+        data_collator=recording_collator,
+        processing_class=tokenizer,
+        max_tokens=300,
+        eval_max_tokens=500,
     )
     assert len(trainer.get_train_dataloader()) == len(TokenBudgetBatchSampler.from_dataset(encoded_val, 300))
     shapes.clear()

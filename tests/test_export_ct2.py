@@ -52,17 +52,29 @@ def test_paper_decoding_defaults_travel_with_the_export(tiny_translator, tmp_pat
     saved = json.loads((out / DECODING_FILE).read_text())
     assert (saved["beam_size"], saved["length_penalty"], saved["max_output_length_offset"]) == (4, 0.6, 50)
     assert ct2_decoding_options(out, [["a", "b", "</s>"], ["c", "</s>"]]) == {
-        "beam_size": 4, "length_penalty": 0.6, "max_decoding_length": 53}
+        "beam_size": 4,
+        "length_penalty": 0.6,
+        "max_decoding_length": 53,
+    }
 
 
 def test_shapes_ctranslate2_cannot_hold_are_refused():
-    model = VaswaniForConditionalGeneration(VaswaniConfig(vocab_size=20, d_model=24, num_heads=3, d_k=6, d_v=10,
-                                                          d_ff=32, num_encoder_layers=1, num_decoder_layers=1))
+    model = VaswaniForConditionalGeneration(
+        VaswaniConfig(
+            vocab_size=20, d_model=24, num_heads=3, d_k=6, d_v=10, d_ff=32, num_encoder_layers=1, num_decoder_layers=1
+        )
+    )
     with pytest.raises(ValueError, match="d_k = d_v = d_model / num_heads"):
         build_ct2_spec(model, [f"t{i}" for i in range(20)])
     with pytest.raises(ValueError, match="tokenizer has 3 tokens but the model's vocab_size is 20"):
-        build_ct2_spec(VaswaniForConditionalGeneration(VaswaniConfig(
-            vocab_size=20, d_model=24, num_heads=3, d_ff=32, num_encoder_layers=1, num_decoder_layers=1)), ["a", "b", "c"])
+        build_ct2_spec(
+            VaswaniForConditionalGeneration(
+                VaswaniConfig(
+                    vocab_size=20, d_model=24, num_heads=3, d_ff=32, num_encoder_layers=1, num_decoder_layers=1
+                )
+            ),
+            ["a", "b", "c"],
+        )
 
 
 def test_export_command(tiny_translator, tmp_path, capsys):

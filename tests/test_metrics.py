@@ -50,9 +50,24 @@ def module_scores(newstest_files) -> dict:
 def cli_scores(newstest_files) -> dict:
     hypothesis, reference = newstest_files
     out = subprocess.run(
-        [str(SACREBLEU_CLI), str(reference), "-i", str(hypothesis), "-l", "en-de", "-m", "bleu", "chrf",
-         "-w", "6", "-f", "json"],
-        capture_output=True, text=True, check=True,
+        [
+            str(SACREBLEU_CLI),
+            str(reference),
+            "-i",
+            str(hypothesis),
+            "-l",
+            "en-de",
+            "-m",
+            "bleu",
+            "chrf",
+            "-w",
+            "6",
+            "-f",
+            "json",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
     ).stdout
     return {entry["name"]: entry for entry in json.loads(out)}
 

@@ -29,8 +29,9 @@ PAD, BOS, EOS = 0, 2, 3
 
 
 def tiny_config(**overrides) -> VaswaniConfig:
-    values = dict(vocab_size=61, d_model=24, d_ff=40, num_heads=3, num_encoder_layers=2, num_decoder_layers=3,
-                  dropout=0.0)
+    values = dict(
+        vocab_size=61, d_model=24, d_ff=40, num_heads=3, num_encoder_layers=2, num_decoder_layers=3, dropout=0.0
+    )
     values.update(overrides)
     return VaswaniConfig(**values)
 
@@ -113,7 +114,9 @@ def test_post_layer_norm_order_and_no_final_stack_norm():
     attended, _ = layer.self_attn(x)
     h = torch.nn.functional.layer_norm(x + attended, (24,), layer.self_attn_norm.weight, layer.self_attn_norm.bias)
     ffn = layer.feed_forward.w_2(torch.relu(layer.feed_forward.w_1(h)))
-    expected = torch.nn.functional.layer_norm(h + ffn, (24,), layer.feed_forward_norm.weight, layer.feed_forward_norm.bias)
+    expected = torch.nn.functional.layer_norm(
+        h + ffn, (24,), layer.feed_forward_norm.weight, layer.feed_forward_norm.bias
+    )
     torch.testing.assert_close(layer(x)[0], expected)
     names = [n for n, _ in model.named_modules()]
     assert not any(n.endswith(("encoder.layer_norm", "decoder.layer_norm", "layernorm_embedding")) for n in names)
@@ -209,8 +212,10 @@ def test_skipping_padding_follows_the_decoder_mask_and_leaves_decoding_alone():
     b = full(input_ids=ids, attention_mask=mask, decoder_input_ids=target, decoder_attention_mask=target_mask).logits
     torch.testing.assert_close(a[target_mask.bool()], b[target_mask.bool()], rtol=0, atol=1e-5)
     torch.testing.assert_close(a[2], b[2], rtol=0, atol=1e-5)
-    assert torch.equal(skip.generate(input_ids=ids, attention_mask=mask, num_beams=3, max_new_tokens=6),
-                       full.generate(input_ids=ids, attention_mask=mask, num_beams=3, max_new_tokens=6))
+    assert torch.equal(
+        skip.generate(input_ids=ids, attention_mask=mask, num_beams=3, max_new_tokens=6),
+        full.generate(input_ids=ids, attention_mask=mask, num_beams=3, max_new_tokens=6),
+    )
 
 
 def test_skip_padding_must_be_a_bool():
@@ -231,7 +236,10 @@ def test_fully_padded_row_gives_no_nan(dtype, attn):
 
 @pytest.mark.parametrize("overrides", [{}, {"d_k": 5, "d_v": 7}, {"num_heads": 1, "d_k": 24, "d_v": 24}])
 def test_sdpa_equals_eager(overrides):
-    eager, sdpa = tiny_model(attn_implementation="eager", **overrides), tiny_model(attn_implementation="sdpa", **overrides)
+    eager, sdpa = (
+        tiny_model(attn_implementation="eager", **overrides),
+        tiny_model(attn_implementation="sdpa", **overrides),
+    )
     ids, mask = batch()
     target = torch.randint(4, 61, (3, 6))
     a = eager(input_ids=ids, attention_mask=mask, decoder_input_ids=target).logits
@@ -263,7 +271,11 @@ def test_one_matrix_for_source_target_and_pre_softmax(tmp_path):
     assert sum(p.numel() for p in model.parameters()) == model.config.num_parameters_closed_form()
     model.save_pretrained(tmp_path)
     reloaded = VaswaniForConditionalGeneration.from_pretrained(tmp_path)
-    assert reloaded.lm_head.weight is reloaded.model.shared.weight is reloaded.model.encoder.embeddings.embed_tokens.weight
+    assert (
+        reloaded.lm_head.weight
+        is reloaded.model.shared.weight
+        is reloaded.model.encoder.embeddings.embed_tokens.weight
+    )
 
     model.resize_token_embeddings(70)
     assert model.config.vocab_size == 70 and model.model.shared.weight.shape == (70, 24)
@@ -280,8 +292,12 @@ def test_untied_pre_softmax_projection_option(tmp_path):
     model.save_pretrained(tmp_path)
     reloaded = VaswaniForConditionalGeneration.from_pretrained(tmp_path).eval()
     ids, _ = batch()
-    torch.testing.assert_close(model(input_ids=ids, decoder_input_ids=ids).logits,
-                               reloaded(input_ids=ids, decoder_input_ids=ids).logits, rtol=0, atol=0)
+    torch.testing.assert_close(
+        model(input_ids=ids, decoder_input_ids=ids).logits,
+        reloaded(input_ids=ids, decoder_input_ids=ids).logits,
+        rtol=0,
+        atol=0,
+    )
 
 
 def test_initialisation_is_the_documented_one():
@@ -323,7 +339,10 @@ def test_configs_folder_matches_the_paper_table():
 def test_params_command_prints_every_config():
     from vaswani_tx.cli import main
 
-    assert main(["params", str(REPO / "configs" / "model" / "base.json"), str(REPO / "configs" / "model" / "big.json")]) == 0
+    assert (
+        main(["params", str(REPO / "configs" / "model" / "base.json"), str(REPO / "configs" / "model" / "big.json")])
+        == 0
+    )
 
 
 # --- MarianMTModel equivalence: no silent departure --------------------------------------------------------------
@@ -396,8 +415,14 @@ def test_generate_with_cache_equals_without(num_beams):
 def test_beam_scores_use_the_gnmt_penalty():
     model = tiny_model()
     ids, mask = batch(lengths=(6,))
-    out = model.generate(input_ids=ids, attention_mask=mask, num_beams=3, max_new_tokens=6,
-                         output_scores=True, return_dict_in_generate=True)
+    out = model.generate(
+        input_ids=ids,
+        attention_mask=mask,
+        num_beams=3,
+        max_new_tokens=6,
+        output_scores=True,
+        return_dict_in_generate=True,
+    )
     sequence = out.sequences[0]
     # Rescore the returned hypothesis by hand: sum of log-probabilities over its generated tokens.
     logits = model(input_ids=ids, attention_mask=mask, decoder_input_ids=sequence[None, :-1]).logits[0]
@@ -406,8 +431,15 @@ def test_beam_scores_use_the_gnmt_penalty():
     total = logprobs[:length].sum()
     expected = total / ((5 + length) / 6) ** 0.6
     assert out.sequences_scores[0].item() == pytest.approx(expected.item(), abs=1e-4)
-    hf_form = model.generate(input_ids=ids, attention_mask=mask, num_beams=3, max_new_tokens=6, length_penalty_type="hf",
-                             output_scores=True, return_dict_in_generate=True)
+    hf_form = model.generate(
+        input_ids=ids,
+        attention_mask=mask,
+        num_beams=3,
+        max_new_tokens=6,
+        length_penalty_type="hf",
+        output_scores=True,
+        return_dict_in_generate=True,
+    )
     if torch.equal(hf_form.sequences[0], sequence):
         assert hf_form.sequences_scores[0].item() == pytest.approx((total / length**0.6).item(), abs=1e-4)
 
@@ -450,14 +482,26 @@ def test_auto_classes_are_registered(tmp_path):
     model = tiny_model()
     model.save_pretrained(tmp_path)
     files = sorted(p.name for p in tmp_path.iterdir())
-    assert files == ["config.json", "configuration_vaswani.py", "generation_config.json", "generation_vaswani.py",
-                     "model.safetensors", "modeling_vaswani.py", "pipeline_vaswani.py", "static_decoding.py"]
+    assert files == [
+        "config.json",
+        "configuration_vaswani.py",
+        "generation_config.json",
+        "generation_vaswani.py",
+        "model.safetensors",
+        "modeling_vaswani.py",
+        "pipeline_vaswani.py",
+        "static_decoding.py",
+    ]
     saved = json.loads((tmp_path / "config.json").read_text())
     assert saved["auto_map"]["AutoModelForSeq2SeqLM"] == "modeling_vaswani.VaswaniForConditionalGeneration"
     reloaded = AutoModelForSeq2SeqLM.from_pretrained(tmp_path).eval()
     ids, mask = batch()
-    torch.testing.assert_close(model(input_ids=ids, attention_mask=mask, decoder_input_ids=ids).logits,
-                               reloaded(input_ids=ids, attention_mask=mask, decoder_input_ids=ids).logits, rtol=0, atol=0)
+    torch.testing.assert_close(
+        model(input_ids=ids, attention_mask=mask, decoder_input_ids=ids).logits,
+        reloaded(input_ids=ids, attention_mask=mask, decoder_input_ids=ids).logits,
+        rtol=0,
+        atol=0,
+    )
 
 
 def test_trust_remote_code_load_without_the_package(tmp_path):
@@ -479,9 +523,9 @@ def test_trust_remote_code_load_without_the_package(tmp_path):
         from transformers import AutoModelForSeq2SeqLM
         model = AutoModelForSeq2SeqLM.from_pretrained({str(folder)!r}, trust_remote_code=True).eval()
         assert type(model).__module__.startswith("transformers_modules"), type(model).__module__
-        inputs = torch.load({str(tmp_path / 'inputs.pt')!r})
+        inputs = torch.load({str(tmp_path / "inputs.pt")!r})
         logits = model(input_ids=inputs["ids"], attention_mask=inputs["mask"], decoder_input_ids=inputs["ids"]).logits
-        torch.save(logits, {str(tmp_path / 'logits.pt')!r})
+        torch.save(logits, {str(tmp_path / "logits.pt")!r})
         print(model.generation_config.length_penalty_type, model.generate(input_ids=inputs["ids"][:1], max_new_tokens=3).shape)
     """)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_MODULES_CACHE": str(tmp_path / "modules")}
@@ -526,7 +570,9 @@ def test_dropout_is_where_the_paper_puts_it():
     torch.manual_seed(1)
     b = model(input_ids=ids, attention_mask=mask, decoder_input_ids=ids).logits
     assert not torch.allclose(a, b)
-    dropouts = {n.rsplit(".", 1)[0] for n, m in model.named_modules() if isinstance(m, torch.nn.Dropout) and m.p == 0.5}
+    dropouts = {
+        n.rsplit(".", 1)[0] for n, m in model.named_modules() if isinstance(m, torch.nn.Dropout) and m.p == 0.5
+    }
     assert "model.encoder.embeddings" in dropouts and "model.decoder.embeddings" in dropouts
     assert "model.encoder.layers.0" in dropouts and "model.decoder.layers.2" in dropouts
 
@@ -581,9 +627,16 @@ def test_bad_config_values_are_refused(overrides, message):
 
 
 def test_hf_conventional_names_map_onto_the_papers():
-    config = VaswaniConfig(hidden_size=48, num_attention_heads=6, encoder_layers=3, decoder_layers=4, encoder_ffn_dim=96)
-    assert (config.d_model, config.num_heads, config.num_encoder_layers, config.num_decoder_layers, config.d_ff) == \
-        (48, 6, 3, 4, 96)
+    config = VaswaniConfig(
+        hidden_size=48, num_attention_heads=6, encoder_layers=3, decoder_layers=4, encoder_ffn_dim=96
+    )
+    assert (config.d_model, config.num_heads, config.num_encoder_layers, config.num_decoder_layers, config.d_ff) == (
+        48,
+        6,
+        3,
+        4,
+        96,
+    )
     assert config.d_k == config.d_v == 8 and config.num_hidden_layers == 4 and config.hidden_size == 48
 
 

@@ -79,8 +79,16 @@ def test_mrg_trees_are_read_and_normalised(tiny_treebank):
 def test_function_tags_are_stripped_but_bracket_tokens_kept():
     from vaswani_tx.metrics.vaswani_parseval.vaswani_parseval import strip_function_tags
 
-    cases = {"NP-SBJ-1": "NP", "NP=2": "NP", "PP-LOC-CLR": "PP", "S": "S", "WHNP-1": "WHNP", "-LRB-": "-LRB-",
-             "-NONE-": "-NONE-", "PRT|ADVP": "PRT|ADVP"}
+    cases = {
+        "NP-SBJ-1": "NP",
+        "NP=2": "NP",
+        "PP-LOC-CLR": "PP",
+        "S": "S",
+        "WHNP-1": "WHNP",
+        "-LRB-": "-LRB-",
+        "-NONE-": "-NONE-",
+        "PRT|ADVP": "PRT|ADVP",
+    }
     assert {label: strip_function_tags(label) for label in cases} == cases
 
 
@@ -113,15 +121,31 @@ def test_missing_treebank_files_are_named(tmp_path):
 def test_linearisation_is_vinyals_et_al(tiny_treebank):
     tree = read_treebank(tiny_treebank)[1]
     assert linearize(tree) == ["(S", "(NP", "XX", ")NP", "(VP", "XX", ")VP", "XX", "(ADVP", "XX", ")ADVP", "XX", ")S"]
-    assert linearize(tree, tags=True) == ["(S", "(NP", "PRP", ")NP", "(VP", "VBZ", ")VP", ",", "(ADVP", "RB", ")ADVP", ".", ")S"]
+    assert linearize(tree, tags=True) == [
+        "(S",
+        "(NP",
+        "PRP",
+        ")NP",
+        "(VP",
+        "VBZ",
+        ")VP",
+        ",",
+        "(ADVP",
+        "RB",
+        ")ADVP",
+        ".",
+        ")S",
+    ]
     assert parsing.tree_to_example(tree) == ("It rains , again .", "(S (NP XX )NP (VP XX )VP XX (ADVP XX )ADVP XX )S")
 
 
 def _round_trip_holds(tree: Tree) -> bool:
     words = tree.words()
-    return (delinearize(linearize(tree), words) == replace_tags(tree, PLACEHOLDER)
-            and delinearize(linearize(tree, tags=True), words, tags=True) == tree
-            and parse_tree(str(tree)) == tree)
+    return (
+        delinearize(linearize(tree), words) == replace_tags(tree, PLACEHOLDER)
+        and delinearize(linearize(tree, tags=True), words, tags=True) == tree
+        and parse_tree(str(tree)) == tree
+    )
 
 
 def test_round_trip_is_the_identity_on_tiny_trees(tiny_treebank):
@@ -147,7 +171,10 @@ def test_round_trip_is_the_identity_on_every_sample_tree_and_gold_f1_is_100(samp
     [
         ("(S (NP XX XX )NP (VP XX )VP )S", "(S (NP (XX a) (XX b)) (VP (XX c)))"),
         ("(S (NP XX XX (VP XX", "(S (NP (XX a) (XX b) (VP (XX c))))"),  # brackets left open are closed
-        (")S )NP (S (NP XX XX )NP )NP )S (VP XX )VP )VP", "( (S (NP (XX a) (XX b))) (VP (XX c)))"),  # stray closes dropped
+        (
+            ")S )NP (S (NP XX XX )NP )NP )S (VP XX )VP )VP",
+            "( (S (NP (XX a) (XX b))) (VP (XX c)))",
+        ),  # stray closes dropped
         ("(S (NP XX XX XX XX XX )NP )S", "(S (NP (XX a) (XX b) (XX c)))"),  # extra placeholders dropped
         ("(S (NP XX )NP )S", "(S (NP (XX a)) (XX b) (XX c))"),  # missing words join the last top constituent
         ("XX (NP XX )NP", "( (XX a) (NP (XX b) (XX c)))"),
@@ -163,8 +190,30 @@ def test_repair(tokens, expected):
 
 def test_repair_of_random_sequences_always_gives_a_tree_over_the_words():
     rng = random.Random(0)
-    vocabulary = ["(S", "(NP", "(VP", "(PP", ")S", ")NP", ")VP", ")PP", "XX", "XX", "(", ")", "((", "))", "(A(B",
-                  "dog", "<unk>", "▁", ")XX", "(XX", "NN", "é"]
+    vocabulary = [
+        "(S",
+        "(NP",
+        "(VP",
+        "(PP",
+        ")S",
+        ")NP",
+        ")VP",
+        ")PP",
+        "XX",
+        "XX",
+        "(",
+        ")",
+        "((",
+        "))",
+        "(A(B",
+        "dog",
+        "<unk>",
+        "▁",
+        ")XX",
+        "(XX",
+        "NN",
+        "é",
+    ]
     for _ in range(500):
         words = [f"w{i}" for i in range(rng.randint(1, 12))]
         tokens = [rng.choice(vocabulary) for _ in range(rng.randint(0, 40))]
@@ -251,14 +300,19 @@ def test_parser_configs_are_section_6_3():
     wsj = load_model_config(REPO / "configs" / "model" / "parser-wsj.json")
     assert (wsj.num_encoder_layers, wsj.num_decoder_layers, wsj.d_model, wsj.vocab_size) == (4, 4, 1024, 16000)
     assert (wsj.d_ff, wsj.num_heads, wsj.tie_word_embeddings) == (2048, 8, True)  # the rest as base
-    assert PARSER_GENERATION == {"num_beams": 21, "length_penalty": 0.3, "length_penalty_type": "gnmt",
-                                 "max_output_length_offset": 300}
+    assert PARSER_GENERATION == {
+        "num_beams": 21,
+        "length_penalty": 0.3,
+        "length_penalty_type": "gnmt",
+        "max_output_length_offset": 300,
+    }
     gpu_only = {} if torch.cuda.is_available() else {"bf16": False, "use_cpu": True}  # bf16 needs a GPU to construct
     for name in ("wsj-parse", "wsj-parse-cpu"):
         recipe, arguments = load_run_config(REPO / "configs" / "train" / f"{name}.yaml", gpu_only, world_size=8)
         assert recipe.generation == PARSER_GENERATION
         assert yaml.safe_load((REPO / "configs" / "train" / f"{name}.yaml").read_text())["model_config"].startswith(
-            "configs/model/parser-")
+            "configs/model/parser-"
+        )
         assert arguments.label_smoothing_factor == 0.1 and arguments.predict_with_generate is False
         if name == "wsj-parse":  # the base model's Section 5 training: 25,000 tokens a step on 8 GPUs, 100K steps
             assert recipe.max_tokens * 8 * arguments.gradient_accumulation_steps == 25_000
@@ -271,8 +325,9 @@ def test_generation_block_becomes_the_saved_generation_config(tmp_path):
     from vaswani_tx.paper import PARSER_GENERATION
     from vaswani_tx.recipe import ConfigError, set_generation_defaults
 
-    model = VaswaniForConditionalGeneration(VaswaniConfig(vocab_size=40, d_model=16, num_heads=2, d_ff=24,
-                                                          num_encoder_layers=1, num_decoder_layers=1))
+    model = VaswaniForConditionalGeneration(
+        VaswaniConfig(vocab_size=40, d_model=16, num_heads=2, d_ff=24, num_encoder_layers=1, num_decoder_layers=1)
+    )
     set_generation_defaults(model, PARSER_GENERATION)
     model.save_pretrained(tmp_path)
     saved = json.loads((tmp_path / "generation_config.json").read_text())
@@ -302,18 +357,35 @@ def test_parse_command_trains_parses_and_scores(tmp_path, monkeypatch):
     parsing.write_examples(read_treebank("trees.txt"), "data/train.words", "data/train.tree")
     tokenizer = train_tokenizer(["data/train.words", "data/train.tree"], vocab_size=300, show_progress=False)
     tokenizer.save_pretrained("tokenizer")
-    config = VaswaniConfig(vocab_size=len(tokenizer), d_model=16, num_heads=2, d_ff=24, num_encoder_layers=1,
-                           num_decoder_layers=1).to_dict()
-    Path("model.json").write_text(json.dumps({k: config[k] for k in json.loads((REPO / "configs" / "model" / "tiny-cpu.json").read_text())}))
+    config = VaswaniConfig(
+        vocab_size=len(tokenizer), d_model=16, num_heads=2, d_ff=24, num_encoder_layers=1, num_decoder_layers=1
+    ).to_dict()
+    Path("model.json").write_text(
+        json.dumps({k: config[k] for k in json.loads((REPO / "configs" / "model" / "tiny-cpu.json").read_text())})
+    )
     run_config = yaml.safe_load((REPO / "configs" / "train" / "wsj-parse-cpu.yaml").read_text())
-    run_config.update(model_config="model.json", tokenizer="tokenizer", output_dir="run", max_steps=4, warmup_steps=2,
-                      save_steps=2, eval_steps=2, report_to="none", train_source="data/train.words",
-                      train_target="data/train.tree", dev_source="data/dev.words", dev_target="data/dev.tree")
+    run_config.update(
+        model_config="model.json",
+        tokenizer="tokenizer",
+        output_dir="run",
+        max_steps=4,
+        warmup_steps=2,
+        save_steps=2,
+        eval_steps=2,
+        report_to="none",
+        train_source="data/train.words",
+        train_target="data/train.tree",
+        dev_source="data/dev.words",
+        dev_target="data/dev.tree",
+    )
     Path("run.yaml").write_text(yaml.safe_dump(run_config))
 
     # decoding is shortened through the generation block (the real configs keep Section 6.3's)
     short = "generation={num_beams: 3, length_penalty: 0.3, length_penalty_type: gnmt, max_output_length_offset: 8}"
-    assert main(["parse", "run", "run.yaml", "--train", "trees.txt", "--dev", "trees.txt", "--test", "test.mrg", short]) == 0
+    assert (
+        main(["parse", "run", "run.yaml", "--train", "trees.txt", "--dev", "trees.txt", "--test", "test.mrg", short])
+        == 0
+    )
     scores = json.loads(Path("run/parse_scores.json").read_text())
     assert scores["test_trees"] == 2 and scores["model"] == "run/averaged" and 0.0 <= scores["f1"] <= 100.0
     assert json.loads(Path("run/averaged/generation_config.json").read_text())["num_beams"] == 3
@@ -322,7 +394,22 @@ def test_parse_command_trains_parses_and_scores(tmp_path, monkeypatch):
 
     assert main(["parse", "score", "test.mrg", "test.mrg"]) == 0
     Path("sentences.txt").write_text("the dog runs .\nit rains\n", encoding="utf-8")
-    assert main(["parse", "predict", "run/averaged", "--sentences", "sentences.txt", "--num-beams", "2", "--output", "out.txt"]) == 0
+    assert (
+        main(
+            [
+                "parse",
+                "predict",
+                "run/averaged",
+                "--sentences",
+                "sentences.txt",
+                "--num-beams",
+                "2",
+                "--output",
+                "out.txt",
+            ]
+        )
+        == 0
+    )
     assert [tree.words() for tree in read_treebank("out.txt")] == [["the", "dog", "runs", "."], ["it", "rains"]]
 
 

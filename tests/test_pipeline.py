@@ -56,7 +56,9 @@ def test_pipeline_uses_the_papers_decoding_defaults(saved_model):
 def test_pipeline_class_around_a_model_object(saved_model):
     _, model, tokenizer = saved_model
     translator = VaswaniTranslationPipeline(model=model, tokenizer=tokenizer, max_new_tokens=5)
-    assert translator(SENTENCES[2]) == [{"translation_text": generate_texts(model, tokenizer, SENTENCES[2:], max_new_tokens=5)[0]}]
+    assert translator(SENTENCES[2]) == [
+        {"translation_text": generate_texts(model, tokenizer, SENTENCES[2:], max_new_tokens=5)[0]}
+    ]
     with pytest.raises(TypeError, match="a string or a list of strings"):
         translator(42)
 

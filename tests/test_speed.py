@@ -38,8 +38,15 @@ def test_encoder_decoder_keys_and_values_are_computed_once_per_source(monkeypatc
 def test_beam_search_reordering_only_self_attention_equals_reordering_everything(monkeypatch):
     model = tiny_model(seed=3)
     ids, mask = batch(lengths=(8, 3, 5))
-    kwargs = dict(input_ids=ids, attention_mask=mask, num_beams=4, num_return_sequences=2, max_new_tokens=12,
-                  output_scores=True, return_dict_in_generate=True)
+    kwargs = dict(
+        input_ids=ids,
+        attention_mask=mask,
+        num_beams=4,
+        num_return_sequences=2,
+        max_new_tokens=12,
+        output_scores=True,
+        return_dict_in_generate=True,
+    )
     fast = model.generate(**kwargs)
     monkeypatch.delattr(VaswaniForConditionalGeneration, "_reorder_cache")  # transformers' own: reorders both caches
     stock = model.generate(**kwargs)
@@ -96,8 +103,15 @@ def test_int8_refuses_a_model_that_is_not_float32():
 
 def decode(model, cache_implementation=None, **overrides):
     ids, mask = batch(lengths=(8, 3, 5))
-    kwargs = dict(input_ids=ids, attention_mask=mask, num_beams=1, max_new_tokens=10, output_scores=True,
-                  return_dict_in_generate=True, cache_implementation=cache_implementation)
+    kwargs = dict(
+        input_ids=ids,
+        attention_mask=mask,
+        num_beams=1,
+        max_new_tokens=10,
+        output_scores=True,
+        return_dict_in_generate=True,
+        cache_implementation=cache_implementation,
+    )
     kwargs.update(overrides)
     if kwargs["num_beams"] > 1:
         kwargs["num_return_sequences"] = 2
@@ -130,7 +144,9 @@ def test_rows_per_source_finds_runs_of_identical_sources_and_nothing_else():
     masks[5, -1] = 0  # same encoder output, another mask: not the same source
     assert static_decoding.rows_per_source(beams, masks) == 1
     assert static_decoding.rows_per_source(torch.cat([states[:1]] * 2 + [states[1:2]] * 3), None) == 1  # runs of 2, 3
-    assert static_decoding.rows_per_source(torch.cat([states[:1]] * 2 + [states[1:2]] * 4), None) == 2  # 2, 2, 2: exact
+    assert (
+        static_decoding.rows_per_source(torch.cat([states[:1]] * 2 + [states[1:2]] * 4), None) == 2
+    )  # 2, 2, 2: exact
 
 
 def test_static_beam_search_computes_encoder_decoder_keys_once_per_source(monkeypatch):
@@ -172,7 +188,9 @@ def test_static_decoding_falls_back_to_the_eager_step_when_compiling_fails(monke
 
     monkeypatch.setattr(static_decoding, "compiled_decode_step", lambda model: failing_step)
     model = tiny_model(seed=3)
-    with pytest.warns(UserWarning, match=r"Compiling the static-cache decoding step failed \(no C\+\+ compiler found\)"):
+    with pytest.warns(
+        UserWarning, match=r"Compiling the static-cache decoding step failed \(no C\+\+ compiler found\)"
+    ):
         fast = decode(model, "static")
     assert_same_decoding(fast, decode(model))
 
@@ -184,8 +202,18 @@ def test_static_cache_refuses_what_it_cannot_give():
     model = tiny_model()
     ids, mask = batch()
     with pytest.raises(ValueError, match="output_attentions is not supported with a static cache"):
-        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3, cache_implementation="static",
-                       output_attentions=True, return_dict_in_generate=True)
-    cache = EncoderDecoderCache(StaticCache(config=model.config, max_cache_len=2), StaticCache(config=model.config, max_cache_len=7))
+        model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=3,
+            cache_implementation="static",
+            output_attentions=True,
+            return_dict_in_generate=True,
+        )
+    cache = EncoderDecoderCache(
+        StaticCache(config=model.config, max_cache_len=2), StaticCache(config=model.config, max_cache_len=7)
+    )
     with pytest.raises(ValueError, match="static cache holds 2 target positions"):
-        model(input_ids=ids, attention_mask=mask, decoder_input_ids=torch.tensor([[2, 5, 9]] * 3), past_key_values=cache)
+        model(
+            input_ids=ids, attention_mask=mask, decoder_input_ids=torch.tensor([[2, 5, 9]] * 3), past_key_values=cache
+        )

@@ -55,7 +55,11 @@ def small_bpe(shared_data):
 
 def _round_trip_failures(tokenizer, lines: list[str]) -> list[tuple[int, str, str]]:
     decoded = tokenizer.batch_decode(tokenizer(lines)["input_ids"], skip_special_tokens=True)
-    return [(number, normalize(line), out) for number, (line, out) in enumerate(zip(lines, decoded), 1) if out != normalize(line)]
+    return [
+        (number, normalize(line), out)
+        for number, (line, out) in enumerate(zip(lines, decoded), 1)
+        if out != normalize(line)
+    ]
 
 
 @pytest.mark.parametrize("kind", ["bpe", "wordpiece"])
@@ -65,7 +69,9 @@ def test_every_shared_line_round_trips(joint_tokenizers, shared_data, kind, name
     assert _round_trip_failures(joint_tokenizers[kind], lines) == []
 
 
-@pytest.mark.parametrize("name", ["newstest2013-en-de/dev.de", "newstest2013-en-fr/dev.fr", "newstest2013-en-de/dev.en"])
+@pytest.mark.parametrize(
+    "name", ["newstest2013-en-de/dev.de", "newstest2013-en-fr/dev.fr", "newstest2013-en-de/dev.en"]
+)
 def test_byte_fallback_round_trips_unseen_characters(small_bpe, shared_data, name):
     lines = list(iter_lines(shared_data / name))
     ids = small_bpe(lines)["input_ids"]
@@ -82,7 +88,11 @@ def test_normalization_changes_only_the_unusual_spaces(shared_data):
         changed[name] = sum(normalize(line) != line for line in lines)
         assert all(normalize(line) == " ".join(line.split()) for line in lines)
         assert all(normalize(line) == line for line in lines if "\u00a0" not in line and "\u2009" not in line)
-    assert changed == {"newstest2013-en-de/dev.de": 11, "newstest2013-en-de/dev.en": 1, "newstest2013-en-fr/dev.fr": 100}
+    assert changed == {
+        "newstest2013-en-de/dev.de": 11,
+        "newstest2013-en-de/dev.en": 1,
+        "newstest2013-en-fr/dev.fr": 100,
+    }
 
 
 def test_normalize_rules():
@@ -108,8 +118,18 @@ def test_special_ids_and_encoding_convention(joint_tokenizers):
     for tokenizer in joint_tokenizers.values():
         assert isinstance(tokenizer, PreTrainedTokenizerFast)
         assert len(tokenizer) == 4000
-        assert (tokenizer.pad_token, tokenizer.unk_token, tokenizer.bos_token, tokenizer.eos_token) == ("<pad>", "<unk>", "<s>", "</s>")
-        assert (tokenizer.pad_token_id, tokenizer.unk_token_id, tokenizer.bos_token_id, tokenizer.eos_token_id) == (0, 1, 2, 3)
+        assert (tokenizer.pad_token, tokenizer.unk_token, tokenizer.bos_token, tokenizer.eos_token) == (
+            "<pad>",
+            "<unk>",
+            "<s>",
+            "</s>",
+        )
+        assert (tokenizer.pad_token_id, tokenizer.unk_token_id, tokenizer.bos_token_id, tokenizer.eos_token_id) == (
+            0,
+            1,
+            2,
+            3,
+        )
         batch = tokenizer(["A dog runs."], text_target=["Ein Hund rennt."])
         source, labels = batch["input_ids"][0], batch["labels"][0]
         assert source[-1] == EOS_TOKEN_ID and labels[-1] == EOS_TOKEN_ID
@@ -130,7 +150,10 @@ def test_dataset_and_files_learn_the_same_vocabulary(shared_data):
 
 def test_vocab_size_smaller_than_alphabet(shared_data):
     files = [shared_data / "multi30k-en-de/val.en", shared_data / "multi30k-en-de/val.de"]
-    with pytest.raises(ValueError, match=r"vocab_size=300 is smaller than the alphabet of .*val\.en.*: 260 reserved tokens \+ \d+ characters"):
+    with pytest.raises(
+        ValueError,
+        match=r"vocab_size=300 is smaller than the alphabet of .*val\.en.*: 260 reserved tokens \+ \d+ characters",
+    ):
         train_tokenizer(files, "bpe", 300, show_progress=False)
     with pytest.raises(ValueError, match=r"vocab_size=200 is smaller than the alphabet: bpe reserves 260 ids"):
         train_tokenizer(files, "bpe", 200, show_progress=False)
@@ -160,7 +183,13 @@ def test_unknown_kind():
 
 
 def _config(**overrides):
-    values = dict(vocab_size=4000, pad_token_id=PAD_TOKEN_ID, bos_token_id=BOS_TOKEN_ID, eos_token_id=EOS_TOKEN_ID, decoder_start_token_id=BOS_TOKEN_ID)
+    values = dict(
+        vocab_size=4000,
+        pad_token_id=PAD_TOKEN_ID,
+        bos_token_id=BOS_TOKEN_ID,
+        eos_token_id=EOS_TOKEN_ID,
+        decoder_start_token_id=BOS_TOKEN_ID,
+    )
     return SimpleNamespace(**{**values, **overrides})
 
 
@@ -193,14 +222,19 @@ class _ConvertedTokenizer(SimpleNamespace):
     [
         (dict(bos_token_id=0, pad_token_id=1, eos_token_id=2, unk_token_id=3), 2, None),  # fairseq, FSMT: </s>
         (dict(bos_token_id=None, pad_token_id=39, eos_token_id=0, unk_token_id=1), 39, None),  # Marian: <pad>
-        (dict(bos_token_id=0, pad_token_id=1, eos_token_id=2, unk_token_id=3), 3,
-         "decoder_start_token_id: config has 3, which is none of the tokenizer's bos 0, eos 2, pad 1"),
+        (
+            dict(bos_token_id=0, pad_token_id=1, eos_token_id=2, unk_token_id=3),
+            3,
+            "decoder_start_token_id: config has 3, which is none of the tokenizer's bos 0, eos 2, pad 1",
+        ),
     ],
 )
 def test_config_check_takes_a_converted_models_decoder_start(ids, start, message):
     """Vocabularies without this package's fixed ids (converted models) start where their source did."""
     tokenizer = _ConvertedTokenizer(size=40, **ids)
-    config = SimpleNamespace(vocab_size=40, decoder_start_token_id=start, **{k: v for k, v in ids.items() if k != "unk_token_id"})
+    config = SimpleNamespace(
+        vocab_size=40, decoder_start_token_id=start, **{k: v for k, v in ids.items() if k != "unk_token_id"}
+    )
     if message is None:
         check_tokenizer_fits_model(tokenizer, config)
     else:

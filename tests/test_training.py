@@ -111,7 +111,9 @@ def test_label_smoothing_equals_hand_computation_over_non_pad_tokens():
     logits[1, 1:] += 100.0
     assert label_smoothed_loss(logits, labels, 0.1).item() == pytest.approx(expected, rel=1e-6)
     # normalised by the step's token count when the Trainer gives it
-    assert label_smoothed_loss(logits, labels, 0.1, num_items_in_batch=10).item() == pytest.approx(expected * 4 / 10, rel=1e-6)
+    assert label_smoothed_loss(logits, labels, 0.1, num_items_in_batch=10).item() == pytest.approx(
+        expected * 4 / 10, rel=1e-6
+    )
 
 
 def test_trainer_loss_on_a_padded_batch_equals_hand_computation(tmp_path):
@@ -123,13 +125,21 @@ def test_trainer_loss_on_a_padded_batch_equals_hand_computation(tmp_path):
     torch.manual_seed(0)
     model = VaswaniForConditionalGeneration(config).eval()
     collator = DataCollatorForSeq2Seq(tokenizer=_PadOnly(), model=model, label_pad_token_id=-100)
-    batch = collator([
-        {"input_ids": [5, 6, 7, 3], "labels": [8, 9, 10, 11, 3]},
-        {"input_ids": [12, 3], "labels": [13, 3]},
-    ])
+    batch = collator(
+        [
+            {"input_ids": [5, 6, 7, 3], "labels": [8, 9, 10, 11, 3]},
+            {"input_ids": [12, 3], "labels": [13, 3]},
+        ]
+    )
     assert (batch["labels"] == -100).sum() == 3
-    args = Seq2SeqTrainingArguments(output_dir=str(tmp_path), label_smoothing_factor=0.1, warmup_steps=4,
-                                    lr_scheduler_type="inverse_sqrt", use_cpu=True, report_to="none")
+    args = Seq2SeqTrainingArguments(
+        output_dir=str(tmp_path),
+        label_smoothing_factor=0.1,
+        warmup_steps=4,
+        lr_scheduler_type="inverse_sqrt",
+        use_cpu=True,
+        report_to="none",
+    )
     trainer = VaswaniTrainer(model=model, args=args, data_collator=collator, max_tokens=64)
     with torch.no_grad():
         loss = trainer.compute_loss(model, dict(batch))
@@ -158,8 +168,17 @@ class _PadOnly:
 
 
 def _tiny_config(vocab_size: int, dropout: float = 0.1) -> VaswaniConfig:
-    return VaswaniConfig(vocab_size=vocab_size, d_model=24, d_ff=48, num_heads=3, d_k=8, d_v=8,
-                         num_encoder_layers=1, num_decoder_layers=1, dropout=dropout)
+    return VaswaniConfig(
+        vocab_size=vocab_size,
+        d_model=24,
+        d_ff=48,
+        num_heads=3,
+        d_k=8,
+        d_v=8,
+        num_encoder_layers=1,
+        num_decoder_layers=1,
+        dropout=dropout,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -209,10 +228,22 @@ def _write_config(path: Path, values: dict) -> Path:
 
 
 def _cli(*args: str, env_extra: dict | None = None, **kwargs) -> subprocess.Popen:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1",
-           **(env_extra or {})}
-    return subprocess.Popen([sys.executable, "-m", "vaswani_tx.cli", *args], env=env, cwd=REPO,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kwargs)
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "OMP_NUM_THREADS": "1",
+        **(env_extra or {}),
+    }
+    return subprocess.Popen(
+        [sys.executable, "-m", "vaswani_tx.cli", *args],
+        env=env,
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        **kwargs,
+    )
 
 
 def _finish(process: subprocess.Popen, timeout: float = 300) -> str:
@@ -266,20 +297,48 @@ def _free_port() -> int:
 
 def test_two_processes_equal_one_process_with_the_same_global_batch(tiny_recipe, tmp_path):
     # no dropout: the two set-ups draw different random masks; everything else must agree
-    values = {**tiny_recipe, "model_config": tiny_recipe["model_config"].replace("model.json", "model-nodropout.json"),
-              "max_steps": 4, "save_strategy": "no"}
+    values = {
+        **tiny_recipe,
+        "model_config": tiny_recipe["model_config"].replace("model.json", "model-nodropout.json"),
+        "max_steps": 4,
+        "save_strategy": "no",
+    }
     one = tmp_path / "one"
-    output = _finish(_cli("train", str(_write_config(tmp_path / "one.yaml", {**values, "output_dir": str(one),
-                                                                              "gradient_accumulation_steps": 2}))))
+    output = _finish(
+        _cli(
+            "train",
+            str(
+                _write_config(
+                    tmp_path / "one.yaml", {**values, "output_dir": str(one), "gradient_accumulation_steps": 2}
+                )
+            ),
+        )
+    )
     assert "processes: 1, gradient accumulation: 2, max_tokens: 160" in output
     two = tmp_path / "two"
     config = _write_config(tmp_path / "two.yaml", {**values, "output_dir": str(two)})
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
     # accelerate's torchrun launcher; the config's use_cpu makes the processes join over gloo
     process = subprocess.run(
-        [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-         "--main_process_port", str(_free_port()), "-m", "vaswani_tx.cli", "train", str(config)],
-        env=env, cwd=REPO, capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "accelerate.commands.launch",
+            "--multi_gpu",
+            "--num_processes",
+            "2",
+            "--main_process_port",
+            str(_free_port()),
+            "-m",
+            "vaswani_tx.cli",
+            "train",
+            str(config),
+        ],
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert process.returncode == 0, (process.stdout + process.stderr)[-3000:]
     assert "processes: 2, gradient accumulation: 1, max_tokens: 160" in process.stdout + process.stderr
@@ -320,8 +379,9 @@ def test_average_of_3_checkpoints_is_the_mean_and_loads(tmp_path):
     result = load_file(averaged / "model.safetensors")
     assert result.keys() == tensors[0].keys()
     for name in result:
-        torch.testing.assert_close(result[name], (tensors[0][name] + tensors[1][name] + tensors[2][name]) / 3,
-                                   rtol=1e-6, atol=1e-7, msg=name)
+        torch.testing.assert_close(
+            result[name], (tensors[0][name] + tensors[1][name] + tensors[2][name]) / 3, rtol=1e-6, atol=1e-7, msg=name
+        )
     model = AutoModelForSeq2SeqLM.from_pretrained(averaged)
     assert torch.equal(model.state_dict()["model.shared.weight"], result["model.shared.weight"])
     assert model.generation_config.num_beams == 4
@@ -337,7 +397,9 @@ def test_average_checkpoints_command_takes_the_last_n(tmp_path):
     a = load_file(tmp_path / "run" / "checkpoint-20" / "model.safetensors")
     b = load_file(tmp_path / "run" / "checkpoint-40" / "model.safetensors")
     result = load_file(tmp_path / "avg" / "model.safetensors")
-    torch.testing.assert_close(result["model.shared.weight"], (a["model.shared.weight"] + b["model.shared.weight"]) / 2)
+    torch.testing.assert_close(
+        result["model.shared.weight"], (a["model.shared.weight"] + b["model.shared.weight"]) / 2
+    )
 
 
 def test_average_refuses_checkpoints_of_different_configs(tmp_path):
@@ -444,8 +506,13 @@ def test_shipped_run_configs_load_and_start_with_their_command(name):
         assert recipe.save_minutes == 10 and recipe.average_last == (5 if "base" in name else 20)
         assert arguments.max_steps == (100_000 if "base" in name else 300_000) and arguments.warmup_steps == 4000
         model = load_model_config(REPO / recipe.model_config)
-        assert model.dropout == {"wmt14-en-de-base.yaml": 0.1, "wmt14-en-de-big.yaml": 0.3, "wmt14-en-fr-big.yaml": 0.1}[name]
-        assert (model.vocab_size, recipe.tokenizer_kind) == ((32000, "wordpiece") if "en-fr" in name else (37000, "bpe"))
+        assert (
+            model.dropout
+            == {"wmt14-en-de-base.yaml": 0.1, "wmt14-en-de-big.yaml": 0.3, "wmt14-en-fr-big.yaml": 0.1}[name]
+        )
+        assert (model.vocab_size, recipe.tokenizer_kind) == (
+            (32000, "wordpiece") if "en-fr" in name else (37000, "bpe")
+        )
     assert (arguments.adam_beta1, arguments.adam_beta2, arguments.adam_epsilon) == (0.9, 0.98, 1e-9)
     assert arguments.max_grad_norm == 0 and arguments.weight_decay == 0
     assert arguments.label_smoothing_factor == 0.1
@@ -457,8 +524,17 @@ def test_training_flops_equal_torch_flop_counter():
 
     from vaswani_tx.params import training_flops
 
-    config = VaswaniConfig(vocab_size=40, d_model=24, d_ff=48, num_heads=3, d_k=8, d_v=4,
-                           num_encoder_layers=2, num_decoder_layers=1, dropout=0.0)
+    config = VaswaniConfig(
+        vocab_size=40,
+        d_model=24,
+        d_ff=48,
+        num_heads=3,
+        d_k=8,
+        d_v=4,
+        num_encoder_layers=2,
+        num_decoder_layers=1,
+        dropout=0.0,
+    )
     config._attn_implementation = "eager"
     model = VaswaniForConditionalGeneration(config)
     source = torch.randint(4, 40, (2, 5))
@@ -478,9 +554,18 @@ def test_bf16_training_steps_stay_finite(tiny_recipe, tmp_path):
 
 
 def test_evaluation_logs_dev_loss_bleu_and_the_signature(tiny_recipe, tmp_path, caplog):
-    values = {**tiny_recipe, "max_steps": 2, "save_strategy": "no", "eval_strategy": "steps", "eval_steps": 2,
-              "predict_with_generate": True, "generation_num_beams": 2, "generation_max_length": 8,
-              "dev_max_pairs": 6, "output_dir": str(tmp_path / "o")}
+    values = {
+        **tiny_recipe,
+        "max_steps": 2,
+        "save_strategy": "no",
+        "eval_strategy": "steps",
+        "eval_steps": 2,
+        "predict_with_generate": True,
+        "generation_num_beams": 2,
+        "generation_max_length": 8,
+        "dev_max_pairs": 6,
+        "output_dir": str(tmp_path / "o"),
+    }
     recipe, arguments = load_run_config(_write_config(tmp_path / "c.yaml", values))
     with caplog.at_level("INFO", logger="vaswani_tx.evaluation"):
         metrics = train(recipe, arguments)

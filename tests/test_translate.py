@@ -89,18 +89,41 @@ def test_bfloat16_decoding_loads_in_that_dtype(tiny_translator):
         load_translator(tiny_translator[0], dtype="float8")
 
 
-def test_translate_command_file_to_file_and_stdin_to_stdout(tiny_translator, translator, tmp_path, capsys, monkeypatch):
+def test_translate_command_file_to_file_and_stdin_to_stdout(
+    tiny_translator, translator, tmp_path, capsys, monkeypatch
+):
     folder = str(tiny_translator[0])
     source = tmp_path / "in.de"
     source.write_text("".join(line + "\n" for line in LINES), encoding="utf-8")
     expected = greedy(translator, LINES)
-    assert cli_main(["translate", folder, "-i", str(source), "-o", str(tmp_path / "out.en"), "--num-beams", "1", "--max-length-offset", "4",
-                     "--max-tokens", "16", "--quiet"]) == 0
+    assert (
+        cli_main(
+            [
+                "translate",
+                folder,
+                "-i",
+                str(source),
+                "-o",
+                str(tmp_path / "out.en"),
+                "--num-beams",
+                "1",
+                "--max-length-offset",
+                "4",
+                "--max-tokens",
+                "16",
+                "--quiet",
+            ]
+        )
+        == 0
+    )
     assert (tmp_path / "out.en").read_text(encoding="utf-8") == "".join(line + "\n" for line in expected)
 
     monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(source.read_bytes()), encoding="utf-8"))
     capsys.readouterr()
-    assert cli_main(["translate", folder, "--num-beams", "1", "--max-length-offset", "4", "--batch-size", "3", "--quiet"]) == 0
+    assert (
+        cli_main(["translate", folder, "--num-beams", "1", "--max-length-offset", "4", "--batch-size", "3", "--quiet"])
+        == 0
+    )
     assert capsys.readouterr().out.split("\n")[:-1] == expected
 
 
@@ -108,17 +131,38 @@ def test_beam_and_alpha_reach_generate(tiny_translator, translator, capsys):
     _, model, tokenizer = tiny_translator
     sentence = LINES[2]
     output = model.generate(**tokenizer([sentence], return_tensors="pt"), num_beams=3, length_penalty=1.5)
-    assert cli_main(["translate", str(tiny_translator[0]), sentence, "--num-beams", "3", "--length-penalty", "1.5",
-                     "--quiet"]) == 0
+    assert (
+        cli_main(
+            ["translate", str(tiny_translator[0]), sentence, "--num-beams", "3", "--length-penalty", "1.5", "--quiet"]
+        )
+        == 0
+    )
     assert capsys.readouterr().out == tokenizer.decode(output[0], skip_special_tokens=True).strip() + "\n"
 
 
 def test_translate_in_a_fresh_process_pipes_stdin_to_stdout(tiny_translator, translator):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     source = "".join(line + "\n" for line in LINES).encode()
-    done = subprocess.run([sys.executable, "-m", "vaswani_tx.cli", "translate", str(tiny_translator[0]),
-                           "--num-beams", "1", "--max-length-offset", "4", "--device", "cpu"], input=source, capture_output=True, env=env,
-                          cwd=REPO, timeout=300)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "vaswani_tx.cli",
+            "translate",
+            str(tiny_translator[0]),
+            "--num-beams",
+            "1",
+            "--max-length-offset",
+            "4",
+            "--device",
+            "cpu",
+        ],
+        input=source,
+        capture_output=True,
+        env=env,
+        cwd=REPO,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr.decode()[-2000:]
     assert done.stdout.decode().split("\n")[:-1] == greedy(translator, LINES)
     assert "Translating" in done.stderr.decode()  # the progress bar goes to stderr, not into the output
@@ -166,14 +210,18 @@ def test_folders_that_are_not_a_usable_model_are_refused_clearly(tiny_translator
 def test_a_tokenizer_that_does_not_fit_the_model_is_refused(tiny_translator, tmp_path):
     _, _, tokenizer = tiny_translator
     for name, overrides, message in [
-        ("small", {"vocab_size": len(tokenizer) - 100}, f"vocab_size: config has {len(tokenizer) - 100}, tokenizer has {len(tokenizer)}"),
+        (
+            "small",
+            {"vocab_size": len(tokenizer) - 100},
+            f"vocab_size: config has {len(tokenizer) - 100}, tokenizer has {len(tokenizer)}",
+        ),
         ("eos", {"vocab_size": len(tokenizer), "eos_token_id": 4}, "eos_token_id: config has 4, tokenizer has 3"),
         ("large", {"vocab_size": len(tokenizer) + 100}, "100 embedding rows no token reaches"),
     ]:
         folder = tmp_path / name
-        VaswaniForConditionalGeneration(VaswaniConfig(
-            d_model=16, num_heads=2, d_ff=24, num_encoder_layers=1, num_decoder_layers=1, **overrides
-        )).save_pretrained(folder)
+        VaswaniForConditionalGeneration(
+            VaswaniConfig(d_model=16, num_heads=2, d_ff=24, num_encoder_layers=1, num_decoder_layers=1, **overrides)
+        ).save_pretrained(folder)
         tokenizer.save_pretrained(folder)
         with pytest.raises(ValueError, match=message):
             load_translator(folder)
@@ -193,8 +241,26 @@ def test_evaluate_translates_scores_and_saves(tiny_translator, translator, test_
     from vaswani_tx.evaluation import read_lines, score
 
     out = tmp_path / "eval"
-    assert cli_main(["evaluate", str(tiny_translator[0]), "-s", str(test_set / "val.en"), "-r", str(test_set / "val.de"),
-                     "--num-beams", "1", "--max-length-offset", "4", "--output-dir", str(out), "--quiet"]) == 0
+    assert (
+        cli_main(
+            [
+                "evaluate",
+                str(tiny_translator[0]),
+                "-s",
+                str(test_set / "val.en"),
+                "-r",
+                str(test_set / "val.de"),
+                "--num-beams",
+                "1",
+                "--max-length-offset",
+                "4",
+                "--output-dir",
+                str(out),
+                "--quiet",
+            ]
+        )
+        == 0
+    )
     printed = capsys.readouterr().out
     hypotheses = read_lines(out / "val.hyp.de")
     assert hypotheses == greedy(translator, read_lines(test_set / "val.en"))
@@ -216,8 +282,12 @@ def test_evaluate_refuses_misaligned_or_unlabelled_test_sets(tiny_translator, te
     assert "12 lines in source file" in err and f"1 lines in reference file {short}" in err
     unlabelled = tmp_path / "references.txt"
     shutil.copy(test_set / "val.de", unlabelled)
-    assert cli_main(["evaluate", model, "-s", str(test_set / "val.en"), "-r", str(unlabelled),
-                     "--output-dir", str(tmp_path)]) == 2
+    assert (
+        cli_main(
+            ["evaluate", model, "-s", str(test_set / "val.en"), "-r", str(unlabelled), "--output-dir", str(tmp_path)]
+        )
+        == 2
+    )
     assert "give --target-lang" in capsys.readouterr().err
     assert cli_main(["evaluate", model, "-s", str(test_set / "val.en")]) == 2
     assert "at least one --reference" in capsys.readouterr().err
@@ -230,11 +300,29 @@ def test_evaluate_takes_wmt14_through_datasets(tiny_translator, tmp_path, monkey
 
     def fake_load_wmt14(source_lang, target_lang, split):  # the hub is unreachable here; the call is what counts
         calls.append((source_lang, target_lang, split))
-        return datasets.Dataset.from_dict({"source": ["A dog runs.", "Two men."], "target": ["Ein Hund.", "Zwei Männer."]})
+        return datasets.Dataset.from_dict(
+            {"source": ["A dog runs.", "Two men."], "target": ["Ein Hund.", "Zwei Männer."]}
+        )
 
     monkeypatch.setattr("vaswani_tx.data.load_wmt14", fake_load_wmt14)
-    assert cli_main(["evaluate", str(tiny_translator[0]), "--wmt14", "en-de", "--num-beams", "1", "--max-length-offset",
-                     "2", "--output-dir", str(tmp_path), "--quiet"]) == 0
+    assert (
+        cli_main(
+            [
+                "evaluate",
+                str(tiny_translator[0]),
+                "--wmt14",
+                "en-de",
+                "--num-beams",
+                "1",
+                "--max-length-offset",
+                "2",
+                "--output-dir",
+                str(tmp_path),
+                "--quiet",
+            ]
+        )
+        == 0
+    )
     assert calls == [("en", "de", "test")]
     assert len((tmp_path / "newstest2014.hyp.de").read_text(encoding="utf-8").splitlines()) == 2
     assert json.loads((tmp_path / "newstest2014.scores.json").read_text())["test_set"] == "newstest2014"
@@ -250,14 +338,37 @@ def test_int8_decoding_quantizes_the_linear_layers(tiny_translator, capsys):
     assert len(outputs) == len(LINES) and outputs[1] == "" and all(outputs[i] for i in (0, 2, 4))
     with pytest.raises(ValueError, match="int8 decoding runs on the CPU from float32"):
         load_translator(tiny_translator[0], dtype="bfloat16", int8=True)
-    assert cli_main(["translate", str(tiny_translator[0]), LINES[0], "--int8", "--num-beams", "1",
-                     "--max-length-offset", "4", "--quiet"]) == 0
+    assert (
+        cli_main(
+            [
+                "translate",
+                str(tiny_translator[0]),
+                LINES[0],
+                "--int8",
+                "--num-beams",
+                "1",
+                "--max-length-offset",
+                "4",
+                "--quiet",
+            ]
+        )
+        == 0
+    )
     assert capsys.readouterr().out == outputs[0] + "\n"
 
 
 def test_static_cache_option_translates_as_the_default_cache(tiny_translator, capsys):
-    arguments = ["translate", str(tiny_translator[0]), LINES[0], LINES[2], "--num-beams", "2", "--max-length-offset", "4",
-                 "--quiet"]
+    arguments = [
+        "translate",
+        str(tiny_translator[0]),
+        LINES[0],
+        LINES[2],
+        "--num-beams",
+        "2",
+        "--max-length-offset",
+        "4",
+        "--quiet",
+    ]
     assert cli_main(arguments) == 0
     expected = capsys.readouterr().out
     assert cli_main([*arguments, "--static-cache"]) == 0

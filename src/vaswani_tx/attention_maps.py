@@ -37,17 +37,31 @@ def attention_weights(model, tokenizer, source: str, target: str | None = None) 
         out = model(**encoded, decoder_input_ids=decoder_input_ids, output_attentions=True)
     source_tokens = tokenizer.convert_ids_to_tokens(encoded["input_ids"][0].tolist())
     target_tokens = tokenizer.convert_ids_to_tokens(decoder_input_ids[0].tolist())
-    axes = {"encoder": (source_tokens, source_tokens), "decoder": (target_tokens, target_tokens),
-            "cross": (target_tokens, source_tokens)}
+    axes = {
+        "encoder": (source_tokens, source_tokens),
+        "decoder": (target_tokens, target_tokens),
+        "cross": (target_tokens, source_tokens),
+    }
     return {
-        kind: {"layers": [w[0].float().cpu() for w in getattr(out, field)], "queries": axes[kind][0],
-               "keys": axes[kind][1], "title": title}
+        kind: {
+            "layers": [w[0].float().cpu() for w in getattr(out, field)],
+            "queries": axes[kind][0],
+            "keys": axes[kind][1],
+            "title": title,
+        }
         for kind, (field, title) in KINDS.items()
     }
 
 
-def plot_attention_maps(model, tokenizer, source: str, output_dir: str | Path, target: str | None = None,
-                        kinds=tuple(KINDS), layers: list[int] | None = None) -> list[Path]:
+def plot_attention_maps(
+    model,
+    tokenizer,
+    source: str,
+    output_dir: str | Path,
+    target: str | None = None,
+    kinds=tuple(KINDS),
+    layers: list[int] | None = None,
+) -> list[Path]:
     """Write `{kind}-layer{n}.png` files (a grid of heads each) to `output_dir`; returns their paths."""
     import matplotlib
 

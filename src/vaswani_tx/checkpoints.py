@@ -229,9 +229,7 @@ def _comparable_config(folder: Path) -> dict[str, Any]:
     return values
 
 
-def average_checkpoints(
-    checkpoints: Sequence[str | os.PathLike], output_dir: str | os.PathLike
-) -> Path:
+def average_checkpoints(checkpoints: Sequence[str | os.PathLike], output_dir: str | os.PathLike) -> Path:
     """Average the weights of several checkpoints into one model folder (Section 6.1).
 
     "For the base models, we used a single model obtained by averaging the last 5 checkpoints ...
@@ -267,7 +265,9 @@ def average_checkpoints(
             continue
         if tensors.keys() != total.keys():
             odd = sorted(tensors.keys() ^ total.keys())
-            raise CheckpointError(f"cannot average: {folder} and {folders[0]} hold different tensors ({', '.join(odd[:5])})")
+            raise CheckpointError(
+                f"cannot average: {folder} and {folders[0]} hold different tensors ({', '.join(odd[:5])})"
+            )
         for name, tensor in tensors.items():
             if tensor.shape != total[name].shape or tensor.dtype != dtypes[name]:
                 raise CheckpointError(

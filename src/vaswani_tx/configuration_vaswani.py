@@ -128,8 +128,18 @@ class VaswaniConfig(PreTrainedConfig):
 
     def _validate(self) -> None:
         """Raise `ValueError` naming the field, its value and what is allowed."""
-        for name in ("vocab_size", "d_model", "d_ff", "num_heads", "num_encoder_layers", "num_decoder_layers",
-                     "max_position_embeddings", "d_k", "d_v", "decoder_d_ff"):
+        for name in (
+            "vocab_size",
+            "d_model",
+            "d_ff",
+            "num_heads",
+            "num_encoder_layers",
+            "num_decoder_layers",
+            "max_position_embeddings",
+            "d_k",
+            "d_v",
+            "decoder_d_ff",
+        ):
             value = getattr(self, name)
             if value is None and name in ("d_k", "d_v", "decoder_d_ff"):
                 continue
@@ -161,14 +171,18 @@ class VaswaniConfig(PreTrainedConfig):
             )
         for name in ("attention_bias", "final_logits_bias", "share_encoder_decoder_embeddings", "skip_padding"):
             if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"VaswaniConfig: {name}={getattr(self, name)!r} is not allowed; it must be True or False.")
+                raise ValueError(
+                    f"VaswaniConfig: {name}={getattr(self, name)!r} is not allowed; it must be True or False."
+                )
         if self.share_encoder_decoder_embeddings and self.decoder_vocab_size not in (None, self.vocab_size):
             raise ValueError(
                 f"VaswaniConfig: decoder_vocab_size={self.decoder_vocab_size!r} differs from vocab_size={self.vocab_size} "
                 "but share_encoder_decoder_embeddings=True; set share_encoder_decoder_embeddings=False for a "
                 "separate target vocabulary."
             )
-        if not self.share_encoder_decoder_embeddings and (not _is_int(self.decoder_vocab_size) or self.decoder_vocab_size <= 0):
+        if not self.share_encoder_decoder_embeddings and (
+            not _is_int(self.decoder_vocab_size) or self.decoder_vocab_size <= 0
+        ):
             raise ValueError(
                 f"VaswaniConfig: decoder_vocab_size={self.decoder_vocab_size!r} is not allowed; with "
                 "share_encoder_decoder_embeddings=False it must be the target vocabulary's size (a positive integer)."

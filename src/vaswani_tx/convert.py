@@ -59,9 +59,13 @@ def marian_hidden_permutation(d_model: int) -> torch.Tensor:
 
 # our sub-module name -> theirs (BART naming, shared by Marian, FSMT and fairseq)
 _SUBLAYERS = {
-    "self_attn": "self_attn", "cross_attn": "encoder_attn", "self_attn_norm": "self_attn_layer_norm",
-    "cross_attn_norm": "encoder_attn_layer_norm", "feed_forward_norm": "final_layer_norm",
-    "feed_forward.w_1": "fc1", "feed_forward.w_2": "fc2",
+    "self_attn": "self_attn",
+    "cross_attn": "encoder_attn",
+    "self_attn_norm": "self_attn_layer_norm",
+    "cross_attn_norm": "encoder_attn_layer_norm",
+    "feed_forward_norm": "final_layer_norm",
+    "feed_forward.w_1": "fc1",
+    "feed_forward.w_2": "fc2",
 }
 
 
@@ -77,10 +81,17 @@ def _layer_tensors(config: VaswaniConfig) -> list[tuple[str, str, str]]:
             for attn in attentions:
                 for proj in ("q_proj", "k_proj", "v_proj", "out_proj"):
                     weight_kind, bias_kind = ("writes", "vector") if proj == "out_proj" else ("reads", "inner")
-                    rows.append((f"{ours}{attn}.{proj}.weight", f"{theirs}{_SUBLAYERS[attn]}.{proj}.weight", weight_kind))
+                    rows.append(
+                        (f"{ours}{attn}.{proj}.weight", f"{theirs}{_SUBLAYERS[attn]}.{proj}.weight", weight_kind)
+                    )
                     if config.attention_bias:
-                        rows.append((f"{ours}{attn}.{proj}.bias", f"{theirs}{_SUBLAYERS[attn]}.{proj}.bias", bias_kind))
-                rows += [(f"{ours}{attn}_norm.{p}", f"{theirs}{_SUBLAYERS[attn + '_norm']}.{p}", "vector") for p in ("weight", "bias")]
+                        rows.append(
+                            (f"{ours}{attn}.{proj}.bias", f"{theirs}{_SUBLAYERS[attn]}.{proj}.bias", bias_kind)
+                        )
+                rows += [
+                    (f"{ours}{attn}_norm.{p}", f"{theirs}{_SUBLAYERS[attn + '_norm']}.{p}", "vector")
+                    for p in ("weight", "bias")
+                ]
             rows += [
                 (f"{ours}feed_forward.w_1.weight", f"{theirs}fc1.weight", "reads"),
                 (f"{ours}feed_forward.w_1.bias", f"{theirs}fc1.bias", "inner"),
@@ -129,7 +140,9 @@ def _to_vaswani(fields: dict[str, Any], tensors: dict[str, torch.Tensor]) -> Vas
         ours[our_key] = _permute(tensors[their_key], kind, inverse)
     ours["model.shared.weight"] = _permute(tensors["encoder.embed_tokens.weight"], "reads", inverse)
     if not config.share_encoder_decoder_embeddings:
-        ours["model.decoder.embeddings.embed_tokens.weight"] = _permute(tensors["decoder.embed_tokens.weight"], "reads", inverse)
+        ours["model.decoder.embeddings.embed_tokens.weight"] = _permute(
+            tensors["decoder.embed_tokens.weight"], "reads", inverse
+        )
     if not config.tie_word_embeddings:
         ours["lm_head.weight"] = _permute(tensors["lm_head.weight"], "reads", inverse)
     if config.final_logits_bias:
@@ -138,11 +151,15 @@ def _to_vaswani(fields: dict[str, Any], tensors: dict[str, torch.Tensor]) -> Vas
     model = VaswaniForConditionalGeneration(config).eval()
     expected = {name for name, _ in model.named_parameters()} | {name for name, _ in model.named_buffers()}
     if set(ours) != expected:
-        raise ConversionError(f"internal mapping mismatch: missing {sorted(expected - set(ours))}, extra {sorted(set(ours) - expected)}")
+        raise ConversionError(
+            f"internal mapping mismatch: missing {sorted(expected - set(ours))}, extra {sorted(set(ours) - expected)}"
+        )
     for key, value in ours.items():
         target = model.get_parameter(key) if "." in key else model.get_buffer(key)
         if tuple(target.shape) != tuple(value.shape):
-            raise ConversionError(f"{key}: the source tensor has shape {tuple(value.shape)}, the config implies {tuple(target.shape)}")
+            raise ConversionError(
+                f"{key}: the source tensor has shape {tuple(value.shape)}, the config implies {tuple(target.shape)}"
+            )
         with torch.no_grad():
             target.copy_(value.to(target.dtype))
     return model
@@ -187,7 +204,9 @@ def _same(settings: dict[str, Any], first: str, second: str, where: str) -> Any:
 def _activation(value: Any, where: str, field: str = "activation_function") -> str:
     names = {"relu": "relu", "swish": "swish", "silu": "swish"}
     if value not in names:
-        raise ConversionError(f"{where}: {field}={value!r} cannot be represented; vaswani_tx has relu (the paper's) and swish.")
+        raise ConversionError(
+            f"{where}: {field}={value!r} cannot be represented; vaswani_tx has relu (the paper's) and swish."
+        )
     return names[value]
 
 
@@ -197,7 +216,9 @@ def _stack_fields(settings: dict[str, Any], where: str) -> dict[str, Any]:
     return dict(
         d_model=settings["d_model"],
         d_ff=settings["encoder_ffn_dim"],
-        decoder_d_ff=None if settings["decoder_ffn_dim"] == settings["encoder_ffn_dim"] else settings["decoder_ffn_dim"],
+        decoder_d_ff=None
+        if settings["decoder_ffn_dim"] == settings["encoder_ffn_dim"]
+        else settings["decoder_ffn_dim"],
         num_heads=_same(settings, "encoder_attention_heads", "decoder_attention_heads", where),
         num_encoder_layers=settings["encoder_layers"],
         num_decoder_layers=settings["decoder_layers"],
@@ -229,9 +250,12 @@ def marian_to_vaswani(marian) -> VaswaniForConditionalGeneration:
     settings = _source_settings(marian, "marian", where)
     fields = _stack_fields(settings, where)
     share = bool(settings.get("share_encoder_decoder_embeddings", True))
-    fields.update(vocab_size=settings["vocab_size"], share_encoder_decoder_embeddings=share,
-                  decoder_vocab_size=None if share else settings["decoder_vocab_size"],
-                  tie_word_embeddings=bool(settings.get("tie_word_embeddings", True)))
+    fields.update(
+        vocab_size=settings["vocab_size"],
+        share_encoder_decoder_embeddings=share,
+        decoder_vocab_size=None if share else settings["decoder_vocab_size"],
+        tie_word_embeddings=bool(settings.get("tie_word_embeddings", True)),
+    )
     state = marian.state_dict()
     tensors = {key.removeprefix("model."): value for key, value in state.items() if key.startswith("model.")}
     if share:
@@ -249,11 +273,17 @@ def fsmt_to_vaswani(fsmt) -> VaswaniForConditionalGeneration:
     # FSMT ties all three tables or none (FSMTModel._tied_weights_keys).
     tied = bool(settings.get("tie_word_embeddings", False))
     if tied and settings["src_vocab_size"] != settings["tgt_vocab_size"]:
-        raise ConversionError(f"{where}: tie_word_embeddings=True with src_vocab_size={settings['src_vocab_size']} "
-                              f"!= tgt_vocab_size={settings['tgt_vocab_size']} is inconsistent")
-    fields.update(vocab_size=settings["src_vocab_size"], share_encoder_decoder_embeddings=tied,
-                  decoder_vocab_size=None if tied else settings["tgt_vocab_size"], tie_word_embeddings=tied,
-                  position_encoding="fairseq_sinusoidal")
+        raise ConversionError(
+            f"{where}: tie_word_embeddings=True with src_vocab_size={settings['src_vocab_size']} "
+            f"!= tgt_vocab_size={settings['tgt_vocab_size']} is inconsistent"
+        )
+    fields.update(
+        vocab_size=settings["src_vocab_size"],
+        share_encoder_decoder_embeddings=tied,
+        decoder_vocab_size=None if tied else settings["tgt_vocab_size"],
+        tie_word_embeddings=tied,
+        position_encoding="fairseq_sinusoidal",
+    )
     state = fsmt.state_dict()
     tensors = {key.removeprefix("model."): value for key, value in state.items()}
     tensors["lm_head.weight"] = tensors.pop("decoder.output_projection.weight")
@@ -277,11 +307,13 @@ def fairseq_to_vaswani(checkpoint_path: str | os.PathLike) -> tuple[VaswaniForCo
     _refuse_unrepresentable(settings, where)
     state = {key: value for key, value in checkpoint["model"].items() if torch.is_tensor(value)}
     tensors = _fairseq_tensors(state, where)
-    for key, why in (("encoder.layer_norm.weight", "a final encoder LayerNorm (pre-LN model)"),
-                     ("decoder.layer_norm.weight", "a final decoder LayerNorm (pre-LN model)"),
-                     ("encoder.layernorm_embedding.weight", "an embedding LayerNorm"),
-                     ("encoder.embed_positions.weight", "learned positions"),
-                     ("decoder.project_in_dim.weight", "a projection between embedding and decoder width")):
+    for key, why in (
+        ("encoder.layer_norm.weight", "a final encoder LayerNorm (pre-LN model)"),
+        ("decoder.layer_norm.weight", "a final decoder LayerNorm (pre-LN model)"),
+        ("encoder.layernorm_embedding.weight", "an embedding LayerNorm"),
+        ("encoder.embed_positions.weight", "learned positions"),
+        ("decoder.project_in_dim.weight", "a projection between embedding and decoder width"),
+    ):
         if key in tensors:
             raise ConversionError(f"{where}: the weights hold {key!r}: {why}, which cannot be represented.")
     d_model = tensors["encoder.embed_tokens.weight"].shape[1]
@@ -303,17 +335,25 @@ def fairseq_to_vaswani(checkpoint_path: str | os.PathLike) -> tuple[VaswaniForCo
     fields = dict(
         vocab_size=tensors["encoder.embed_tokens.weight"].shape[0],
         decoder_vocab_size=None if share else tensors["decoder.embed_tokens.weight"].shape[0],
-        share_encoder_decoder_embeddings=share, tie_word_embeddings=tied,
-        d_model=d_model, d_ff=tensors["encoder.layers.0.fc1.weight"].shape[0],
+        share_encoder_decoder_embeddings=share,
+        tie_word_embeddings=tied,
+        d_model=d_model,
+        d_ff=tensors["encoder.layers.0.fc1.weight"].shape[0],
         decoder_d_ff=tensors["decoder.layers.0.fc1.weight"].shape[0],
         num_heads=_same(settings, "encoder_attention_heads", "decoder_attention_heads", where),
-        num_encoder_layers=_count_layers(tensors, "encoder"), num_decoder_layers=_count_layers(tensors, "decoder"),
-        dropout=settings.get("dropout", 0.1), attention_dropout=settings.get("attention_dropout", 0.0),
+        num_encoder_layers=_count_layers(tensors, "encoder"),
+        num_decoder_layers=_count_layers(tensors, "decoder"),
+        dropout=settings.get("dropout", 0.1),
+        attention_dropout=settings.get("attention_dropout", 0.0),
         activation_dropout=settings.get("activation_dropout", settings.get("relu_dropout", 0.0)),
         activation_function=_activation(settings.get("activation_fn", "relu"), where, "activation_fn"),
-        scale_embedding=not settings.get("no_scale_embedding", False), position_encoding="fairseq_sinusoidal",
+        scale_embedding=not settings.get("no_scale_embedding", False),
+        position_encoding="fairseq_sinusoidal",
         max_position_embeddings=settings.get("max_source_positions", 1024),
-        bos_token_id=0, pad_token_id=1, eos_token_id=2, decoder_start_token_id=2,  # fairseq starts the decoder with </s>
+        bos_token_id=0,
+        pad_token_id=1,
+        eos_token_id=2,
+        decoder_start_token_id=2,  # fairseq starts the decoder with </s>
     )
     if fields["decoder_d_ff"] == fields["d_ff"]:
         fields["decoder_d_ff"] = None
@@ -334,7 +374,9 @@ def _fairseq_tensors(state: dict[str, torch.Tensor], where: str) -> dict[str, to
             continue
         key = re.sub(r"^(encoder\.layers\.\d+)\.layer_norms\.0\.", r"\1.self_attn_layer_norm.", key)
         key = re.sub(r"^(encoder\.layers\.\d+)\.layer_norms\.1\.", r"\1.final_layer_norm.", key)
-        key = {"decoder.output_projection.weight": "lm_head.weight", "decoder.embed_out": "lm_head.weight"}.get(key, key)
+        key = {"decoder.output_projection.weight": "lm_head.weight", "decoder.embed_out": "lm_head.weight"}.get(
+            key, key
+        )
         tensors[key] = value
     for key in ("encoder.embed_tokens.weight", "decoder.embed_tokens.weight", "encoder.layers.0.fc1.weight"):
         if key not in tensors:
@@ -362,14 +404,23 @@ def _fairseq_tokenizer(checkpoint_path: Path, settings: dict[str, Any], out: Pat
                 token = token[:-2] if token.endswith("@@") else token + "</w>"
             vocab.setdefault(token, index)
         (out / name).write_text(json.dumps(vocab, ensure_ascii=False, indent=2), encoding="utf-8")
-    merges = [" ".join(line.split()[:2]) for line in iter_lines(codes)
-              if line.strip() and not line.startswith("#version")]
+    merges = [
+        " ".join(line.split()[:2]) for line in iter_lines(codes) if line.strip() and not line.startswith("#version")
+    ]
     (out / "merges.txt").write_text("\n".join(merges) + "\n", encoding="utf-8")
     lowercase = all(not any(c.isupper() for c in token) for token in json.loads((out / "vocab-src.json").read_text()))
-    (out / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "FSMTTokenizer", "langs": [source_lang, target_lang], "model_max_length": 1024,
-        "do_lower_case": lowercase,
-    }, indent=2), encoding="utf-8")
+    (out / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "FSMTTokenizer",
+                "langs": [source_lang, target_lang],
+                "model_max_length": 1024,
+                "do_lower_case": lowercase,
+            },
+            indent=2,
+        ),
+        encoding="utf-8",
+    )
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -383,7 +434,9 @@ def _generation_config(model: VaswaniForConditionalGeneration, source: dict[str,
     reproduces the source model's translations; the special ids are ours (the same ids)."""
     from transformers import GenerationConfig
 
-    settings = {key: value for key, value in source.items() if not key.startswith("_") and key != "transformers_version"}
+    settings = {
+        key: value for key, value in source.items() if not key.startswith("_") and key != "transformers_version"
+    }
     settings.update(length_penalty_type="hf", max_output_length_offset=None)
     for name in ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id"):
         settings[name] = getattr(model.config, name)
@@ -438,8 +491,11 @@ def convert(source: str | os.PathLike, out: str | os.PathLike) -> Path:
             source_class = MarianMTModel if kind == "marian" else FSMTForConditionalGeneration
             original = source_class.from_pretrained(path)
             model = (marian_to_vaswani if kind == "marian" else fsmt_to_vaswani)(original)
-            generation = (GenerationConfig.from_pretrained(path) if (path / "generation_config.json").is_file()
-                          else original.generation_config).to_dict()
+            generation = (
+                GenerationConfig.from_pretrained(path)
+                if (path / "generation_config.json").is_file()
+                else original.generation_config
+            ).to_dict()
             del original
             AutoTokenizer.from_pretrained(path).save_pretrained(staging)
         model.generation_config = _generation_config(model, generation)
@@ -468,36 +524,64 @@ def vaswani_to_marian(model: VaswaniForConditionalGeneration):
 
     c = model.config
     if c.position_encoding != "sinusoidal":
-        raise ConversionError(f"position_encoding={c.position_encoding!r} cannot be exported: Marian has the paper's sinusoids only.")
+        raise ConversionError(
+            f"position_encoding={c.position_encoding!r} cannot be exported: Marian has the paper's sinusoids only."
+        )
     for name in ("d_k", "d_v"):
         if getattr(c, name) * c.num_heads != c.d_model:
-            raise ConversionError(f"{name}={getattr(c, name)} with num_heads={c.num_heads} cannot be exported: "
-                                  f"Marian's heads are d_model / num_heads = {c.d_model / c.num_heads:g} wide.")
+            raise ConversionError(
+                f"{name}={getattr(c, name)} with num_heads={c.num_heads} cannot be exported: "
+                f"Marian's heads are d_model / num_heads = {c.d_model / c.num_heads:g} wide."
+            )
     if c.layer_norm_eps != 1e-5:
         raise ConversionError(f"layer_norm_eps={c.layer_norm_eps} cannot be exported: Marian's LayerNorms use 1e-5.")
-    marian = MarianMTModel(MarianConfig(
-        vocab_size=c.vocab_size, decoder_vocab_size=c.target_vocab_size, d_model=c.d_model,
-        encoder_layers=c.num_encoder_layers, decoder_layers=c.num_decoder_layers,
-        encoder_attention_heads=c.num_heads, decoder_attention_heads=c.num_heads, encoder_ffn_dim=c.d_ff,
-        decoder_ffn_dim=c.decoder_d_ff or c.d_ff, activation_function=c.activation_function, scale_embedding=c.scale_embedding,
-        dropout=c.dropout, attention_dropout=c.attention_dropout, activation_dropout=c.activation_dropout,
-        pad_token_id=c.pad_token_id, eos_token_id=c.eos_token_id, bos_token_id=c.bos_token_id,
-        forced_eos_token_id=None, decoder_start_token_id=c.decoder_start_token_id,
-        max_position_embeddings=c.max_position_embeddings,
-        share_encoder_decoder_embeddings=c.share_encoder_decoder_embeddings, tie_word_embeddings=c.tie_word_embeddings,
-    )).eval()
+    marian = MarianMTModel(
+        MarianConfig(
+            vocab_size=c.vocab_size,
+            decoder_vocab_size=c.target_vocab_size,
+            d_model=c.d_model,
+            encoder_layers=c.num_encoder_layers,
+            decoder_layers=c.num_decoder_layers,
+            encoder_attention_heads=c.num_heads,
+            decoder_attention_heads=c.num_heads,
+            encoder_ffn_dim=c.d_ff,
+            decoder_ffn_dim=c.decoder_d_ff or c.d_ff,
+            activation_function=c.activation_function,
+            scale_embedding=c.scale_embedding,
+            dropout=c.dropout,
+            attention_dropout=c.attention_dropout,
+            activation_dropout=c.activation_dropout,
+            pad_token_id=c.pad_token_id,
+            eos_token_id=c.eos_token_id,
+            bos_token_id=c.bos_token_id,
+            forced_eos_token_id=None,
+            decoder_start_token_id=c.decoder_start_token_id,
+            max_position_embeddings=c.max_position_embeddings,
+            share_encoder_decoder_embeddings=c.share_encoder_decoder_embeddings,
+            tie_word_embeddings=c.tie_word_embeddings,
+        )
+    ).eval()
     perm = marian_hidden_permutation(c.d_model)
     ours = model.state_dict()
-    theirs = {f"model.{their_key}": _permute(ours[our_key], kind, perm) for our_key, their_key, kind in _layer_tensors(c)}
+    theirs = {
+        f"model.{their_key}": _permute(ours[our_key], kind, perm) for our_key, their_key, kind in _layer_tensors(c)
+    }
     if not c.attention_bias:  # Marian's projections always have biases: zeros change nothing
         for key, value in marian.state_dict().items():
             if re.search(r"attn\.(q|k|v|out)_proj\.bias$", key):
                 theirs[key] = torch.zeros_like(value)
     source = _permute(ours["model.shared.weight"], "reads", perm)
     target = _permute(ours["model.decoder.embeddings.embed_tokens.weight"], "reads", perm)
-    theirs.update({"model.encoder.embed_tokens.weight": source, "model.decoder.embed_tokens.weight": target,
-                   "lm_head.weight": _permute(ours["lm_head.weight"], "reads", perm),
-                   "final_logits_bias": ours["final_logits_bias"] if c.final_logits_bias else torch.zeros(1, c.target_vocab_size)})
+    theirs.update(
+        {
+            "model.encoder.embed_tokens.weight": source,
+            "model.decoder.embed_tokens.weight": target,
+            "lm_head.weight": _permute(ours["lm_head.weight"], "reads", perm),
+            "final_logits_bias": ours["final_logits_bias"]
+            if c.final_logits_bias
+            else torch.zeros(1, c.target_vocab_size),
+        }
+    )
     if c.share_encoder_decoder_embeddings:
         theirs["model.shared.weight"] = source
     missing, unexpected = marian.load_state_dict(theirs, strict=False)
@@ -522,14 +606,20 @@ def export_marian(model: str | os.PathLike | VaswaniForConditionalGeneration, ou
             raise ConversionError(f"{folder}: not a model folder (no config.json)")
         model_type = json.loads((folder / "config.json").read_text(encoding="utf-8")).get("model_type")
         if model_type != "vaswani":
-            raise ConversionError(f"{folder / 'config.json'}: model_type={model_type!r}; export-marian reads vaswani_tx models")
+            raise ConversionError(
+                f"{folder / 'config.json'}: model_type={model_type!r}; export-marian reads vaswani_tx models"
+            )
         model = VaswaniForConditionalGeneration.from_pretrained(folder)
     marian = vaswani_to_marian(model.eval())
     ours = model.generation_config
     marian.generation_config = GenerationConfig(
-        num_beams=ours.num_beams, length_penalty=float(ours.length_penalty), early_stopping=ours.early_stopping,
-        max_length=model.config.max_position_embeddings, bos_token_id=model.config.bos_token_id,
-        eos_token_id=model.config.eos_token_id, pad_token_id=model.config.pad_token_id,
+        num_beams=ours.num_beams,
+        length_penalty=float(ours.length_penalty),
+        early_stopping=ours.early_stopping,
+        max_length=model.config.max_position_embeddings,
+        bos_token_id=model.config.bos_token_id,
+        eos_token_id=model.config.eos_token_id,
+        pad_token_id=model.config.pad_token_id,
         decoder_start_token_id=model.config.decoder_start_token_id,
     )
     out = Path(out)

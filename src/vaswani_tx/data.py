@@ -78,7 +78,9 @@ def _pairs_from_tsv(stamp: tuple) -> Iterator[dict[str, str]]:
     for count, line in enumerate(iter_lines(path), start=1):
         fields = line.split("\t")
         if len(fields) != 2:
-            raise CorpusError(f"{path}, line {count}: expected 2 tab-separated fields (source, target), got {len(fields)}")
+            raise CorpusError(
+                f"{path}, line {count}: expected 2 tab-separated fields (source, target), got {len(fields)}"
+            )
         yield {"source": fields[0], "target": fields[1]}
     if count == 0:
         raise CorpusError(f"empty corpus: {path} has no lines")
@@ -93,8 +95,14 @@ def _pairs_from_jsonl(stamp: tuple, source_key: str, target_key: str) -> Iterato
             raise CorpusError(f"{path}, line {count}: not JSON ({err.msg})") from None
         # Hub exports nest the pair as {"translation": {"en": ..., "de": ...}}
         record = record.get("translation", record) if isinstance(record, dict) else record
-        if not isinstance(record, dict) or not isinstance(record.get(source_key), str) or not isinstance(record.get(target_key), str):
-            raise CorpusError(f"{path}, line {count}: expected an object with string fields {source_key!r} and {target_key!r}")
+        if (
+            not isinstance(record, dict)
+            or not isinstance(record.get(source_key), str)
+            or not isinstance(record.get(target_key), str)
+        ):
+            raise CorpusError(
+                f"{path}, line {count}: expected an object with string fields {source_key!r} and {target_key!r}"
+            )
         yield {"source": record[source_key], "target": record[target_key]}
     if count == 0:
         raise CorpusError(f"empty corpus: {path} has no lines")
@@ -104,7 +112,10 @@ def _from_generator(generator, gen_kwargs: dict[str, Any], cache_dir: str | os.P
     features = datasets.Features({"source": datasets.Value("string"), "target": datasets.Value("string")})
     try:
         return datasets.Dataset.from_generator(
-            generator, features=features, gen_kwargs=gen_kwargs, cache_dir=None if cache_dir is None else str(cache_dir)
+            generator,
+            features=features,
+            gen_kwargs=gen_kwargs,
+            cache_dir=None if cache_dir is None else str(cache_dir),
         )
     except datasets.exceptions.DatasetGenerationError as err:
         # datasets wraps the reader's error in a generic one; the reader's names the file and line
@@ -370,7 +381,9 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
         if self.num_oversized:
             logger.warning(
                 "dropping %d of %d pairs longer than max_tokens=%d on their own",
-                self.num_oversized, source.size, self.max_tokens,
+                self.num_oversized,
+                source.size,
+                self.max_tokens,
             )
         if self._batchable.size < num_replicas:
             raise CorpusError(
@@ -393,7 +406,9 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
         **kwargs: Any,
     ) -> TokenBudgetBatchSampler:
         """Read the lengths from a tokenized dataset (see :func:`tokenize_pairs`)."""
-        return cls(sequence_lengths(dataset, source_column), sequence_lengths(dataset, target_column), max_tokens, **kwargs)
+        return cls(
+            sequence_lengths(dataset, source_column), sequence_lengths(dataset, target_column), max_tokens, **kwargs
+        )
 
     @property
     def num_oversized(self) -> int:

@@ -115,9 +115,12 @@ def _cat_bias(linears):
 
     if all(linear.bias is None for linear in linears):
         return None
-    return torch.cat([
-        linear.bias if linear.bias is not None else linear.weight.new_zeros(linear.out_features) for linear in linears
-    ])
+    return torch.cat(
+        [
+            linear.bias if linear.bias is not None else linear.weight.new_zeros(linear.out_features)
+            for linear in linears
+        ]
+    )
 
 
 def _set_attention(spec, attention, norm, self_attention: bool) -> None:
@@ -190,4 +193,3 @@ def ct2_decoding_options(ct2_dir: str | os.PathLike, sources: Sequence[Sequence[
     if sources is not None and saved.get("max_output_length_offset") is not None:
         options["max_decoding_length"] = max(len(s) for s in sources) + int(saved["max_output_length_offset"])
     return options
-

@@ -30,8 +30,16 @@ FAIRSEQ_SPECIALS = ("<s>", "<pad>", "</s>", "<unk>")
 SUPPORTED_ARCHITECTURES: dict[str, dict[str, Any]] = {
     "transformer": {"encoder_attention_heads": 8, "decoder_attention_heads": 8, "dropout": 0.1},
     "transformer_wmt_en_de": {"encoder_attention_heads": 8, "decoder_attention_heads": 8, "dropout": 0.1},
-    "transformer_vaswani_wmt_en_de_big": {"encoder_attention_heads": 16, "decoder_attention_heads": 16, "dropout": 0.3},
-    "transformer_vaswani_wmt_en_fr_big": {"encoder_attention_heads": 16, "decoder_attention_heads": 16, "dropout": 0.1},
+    "transformer_vaswani_wmt_en_de_big": {
+        "encoder_attention_heads": 16,
+        "decoder_attention_heads": 16,
+        "dropout": 0.3,
+    },
+    "transformer_vaswani_wmt_en_fr_big": {
+        "encoder_attention_heads": 16,
+        "decoder_attention_heads": 16,
+        "dropout": 0.1,
+    },
 }
 
 
@@ -52,13 +60,17 @@ def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
             checkpoint = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as err:
         if "unsupported global" not in str(err).lower():  # not a refused import: the bytes themselves are bad
-            raise CheckpointError(f"{path}: not a readable torch checkpoint, truncated or corrupt ({_first_line(err)})") from None
+            raise CheckpointError(
+                f"{path}: not a readable torch checkpoint, truncated or corrupt ({_first_line(err)})"
+            ) from None
         raise CheckpointError(
             f"{path}: refused to unpickle: it needs an object outside the allow-list of tensors, plain containers "
             f"and argparse.Namespace, so it was not loaded and none of its code ran ({_first_line(err)})"
         ) from None
     except (RuntimeError, EOFError, ValueError, OSError, KeyError, IndexError) as err:
-        raise CheckpointError(f"{path}: not a readable torch checkpoint, truncated or corrupt ({_first_line(err)})") from None
+        raise CheckpointError(
+            f"{path}: not a readable torch checkpoint, truncated or corrupt ({_first_line(err)})"
+        ) from None
     if not isinstance(checkpoint, dict) or not isinstance(checkpoint.get("model"), dict):
         raise CheckpointError(f"{path}: not a fairseq checkpoint (no 'model' state dict at the top level)")
     return checkpoint
@@ -70,8 +82,13 @@ def _allowed_globals() -> list:
 
     scalar = numpy._core.multiarray.scalar if hasattr(numpy, "_core") else numpy.core.multiarray.scalar
     dtypes = [type(numpy.dtype(name)) for name in ("float16", "float32", "float64", "int32", "int64", "bool")]
-    return [argparse.Namespace, numpy.dtype, *dtypes, (scalar, "numpy.core.multiarray.scalar"),
-            (scalar, "numpy._core.multiarray.scalar")]
+    return [
+        argparse.Namespace,
+        numpy.dtype,
+        *dtypes,
+        (scalar, "numpy.core.multiarray.scalar"),
+        (scalar, "numpy._core.multiarray.scalar"),
+    ]
 
 
 def checkpoint_settings(checkpoint: dict[str, Any], path: str | os.PathLike = "checkpoint") -> dict[str, Any]:
@@ -86,7 +103,9 @@ def checkpoint_settings(checkpoint: dict[str, Any], path: str | os.PathLike = "c
         settings = {**(cfg.get("task") or {}), **(vars(model) if isinstance(model, argparse.Namespace) else model)}
         settings.setdefault("arch", settings.get("_name"))
     else:
-        raise CheckpointError(f"{path}: has neither fairseq 'args' (argparse.Namespace) nor 'cfg' with a 'model' section")
+        raise CheckpointError(
+            f"{path}: has neither fairseq 'args' (argparse.Namespace) nor 'cfg' with a 'model' section"
+        )
     arch = settings.get("arch")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise CheckpointError(
@@ -100,7 +119,9 @@ def read_dictionary(path: str | os.PathLike) -> list[str]:
     """Tokens by id: fairseq's four specials, then one token per line of `dict.<lang>.txt` (`token count [flag]`)."""
     path = Path(path)
     if not path.is_file():
-        raise CheckpointError(f"{path}: dictionary file not found (fairseq writes dict.<lang>.txt beside the checkpoint)")
+        raise CheckpointError(
+            f"{path}: dictionary file not found (fairseq writes dict.<lang>.txt beside the checkpoint)"
+        )
     tokens = list(FAIRSEQ_SPECIALS)
     for number, line in enumerate(iter_lines(path), 1):
         if not line.strip():

@@ -122,7 +122,9 @@ class VaswaniGenerationMixin(GenerationMixin):
             kwargs["max_length"] = prefix + int(limits.max())
             cap = SourceLengthCap(limits, self.config.eos_token_id)
             logits_processor = LogitsProcessorList([*(logits_processor or []), cap])
-        return super().generate(inputs, generation_config=generation_config, logits_processor=logits_processor, **kwargs)
+        return super().generate(
+            inputs, generation_config=generation_config, logits_processor=logits_processor, **kwargs
+        )
 
     def _prepare_cache_for_generation(self, generation_config: GenerationConfig, model_kwargs: dict, *args, **kwargs):
         """transformers' cache, except that a static one becomes a `StaticDecodingCache`, which carries

@@ -236,7 +236,11 @@ class PaddingPlan:
             mask_ends = prefix_lengths(target_mask)
             ends = mask_ends if ends is None else torch.minimum(ends, mask_ends)
         if ends is not None:
-            length = target_length if target_length is not None else (labels if labels is not None else target_mask).shape[1]
+            length = (
+                target_length
+                if target_length is not None
+                else (labels if labels is not None else target_mask).shape[1]
+            )
             target = real_positions(torch.arange(length, device=ends.device)[None, :] < ends[:, None])
         return cls(source=real_positions(source_mask), target=target, labelled=labelled)
 
@@ -300,7 +304,9 @@ class MultiHeadAttention(nn.Module):
         self.v_proj = nn.Linear(d_model, h * self.d_v, bias=bias)
         self.out_proj = nn.Linear(h * self.d_v, d_model, bias=bias)  # W^O
 
-    def keys_values(self, states: torch.Tensor, index: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def keys_values(
+        self, states: torch.Tensor, index: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """K W^K and V W^V for all heads: states (B, S, D) -> keys (B, h, S, d_k), values (B, h, S, d_v)."""
         batch = states.shape[0]
         key = at_positions(self.k_proj, states, index).view(batch, -1, self.num_heads, self.d_k).transpose(1, 2)
@@ -343,7 +349,9 @@ class MultiHeadAttention(nn.Module):
         # Attention weights exist only in the eager path; asking for them selects it for this call.
         attend = scaled_dot_product_attention
         if not output_attentions:
-            attend = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, scaled_dot_product_attention)
+            attend = ALL_ATTENTION_FUNCTIONS.get_interface(
+                self.config._attn_implementation, scaled_dot_product_attention
+            )
         output, weights = attend(
             self,
             query,
@@ -382,7 +390,9 @@ class MultiHeadAttention(nn.Module):
         # The eager Equation 1: for one query per row, two batched products and a softmax that a compiler
         # fuses are several times faster than the SDPA kernel, which is built for long query blocks.
         output, _ = scaled_dot_product_attention(self, query, keys, values, mask, scaling=self.scaling)
-        return self.out_proj(output.reshape(batch, 1, heads * self.d_v))  # Concat(heads) W^O: (G, k, h, d_v) -> (B, 1, D)
+        return self.out_proj(
+            output.reshape(batch, 1, heads * self.d_v)
+        )  # Concat(heads) W^O: (G, k, h, d_v) -> (B, 1, D)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -404,7 +414,9 @@ class PositionwiseFeedForward(nn.Module):
         self.activation = torch.relu if config.activation_function == "relu" else nn.functional.silu
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.w_2(self.activation_dropout(self.activation(self.w_1(hidden_states))))  # (B, T, D) -> (B, T, F) -> (B, T, D)
+        return self.w_2(
+            self.activation_dropout(self.activation(self.w_1(hidden_states)))
+        )  # (B, T, D) -> (B, T, F) -> (B, T, D)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -431,7 +443,9 @@ class EncoderLayer(GradientCheckpointingLayer):
         output_attentions: bool = False,
         padding: PaddingPlan | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        attended, weights = self.self_attn(hidden_states, mask=mask, output_attentions=output_attentions, padding=padding)
+        attended, weights = self.self_attn(
+            hidden_states, mask=mask, output_attentions=output_attentions, padding=padding
+        )
         hidden_states = self.self_attn_norm(hidden_states + self.dropout(attended))
         fed = at_positions(self.feed_forward, hidden_states, padding.source if padding else None)
         hidden_states = self.feed_forward_norm(hidden_states + self.dropout(fed))
@@ -637,7 +651,9 @@ class Decoder(nn.Module):
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Decoder: pass exactly one of decoder_input_ids and decoder_inputs_embeds.")
         if encoder_hidden_states is None:
-            raise ValueError("Decoder: encoder_hidden_states are required (the decoder attends to the encoder output).")
+            raise ValueError(
+                "Decoder: encoder_hidden_states are required (the decoder attends to the encoder output)."
+            )
         target = input_ids if input_ids is not None else inputs_embeds
         if input_ids is not None:
             check_token_ids(input_ids, self.config.target_vocab_size, "decoder_input_ids")
@@ -661,7 +677,9 @@ class Decoder(nn.Module):
                 f"positions after {past_length} cached ones; it must have length {length} or {past_length + length}."
             )
         if attention_mask is not None and attention_mask.shape[1] == length and past_length:
-            attention_mask = torch.cat([attention_mask.new_ones(attention_mask.shape[0], past_length), attention_mask], 1)
+            attention_mask = torch.cat(
+                [attention_mask.new_ones(attention_mask.shape[0], past_length), attention_mask], 1
+            )
 
         if past_key_values is not None:
             padding = None
@@ -800,7 +818,9 @@ class VaswaniModel(VaswaniPreTrainedModel):
                 f"{self.config.decoder_start_token_id}), or labels to VaswaniForConditionalGeneration, which shifts them."
             )
         return_dict = self.config.return_dict if return_dict is None else return_dict
-        output_hidden_states = self.config.output_hidden_states if output_hidden_states is None else output_hidden_states
+        output_hidden_states = (
+            self.config.output_hidden_states if output_hidden_states is None else output_hidden_states
+        )
         if encoder_outputs is None:
             encoder_outputs = self.encoder(
                 input_ids=input_ids,

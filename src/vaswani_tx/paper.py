@@ -43,37 +43,85 @@ TABLE3: tuple[Table3Row, ...] = (
     Table3Row("table3-D-ls0.0", {}, None, 4.67, 25.3, label_smoothing=0.0),
     Table3Row("table3-D-ls0.2", {}, None, 5.47, 25.7, label_smoothing=0.2),
     Table3Row("table3-E-learned-positions", {"position_encoding": "learned"}, None, 4.92, 25.7),
-    Table3Row("big", {"d_model": 1024, "d_ff": 4096, "num_heads": 16, "dropout": 0.3}, 213, 4.33, 26.4,
-              train_steps=300_000),
+    Table3Row(
+        "big", {"d_model": 1024, "d_ff": 4096, "num_heads": 16, "dropout": 0.3}, 213, 4.33, 26.4, train_steps=300_000
+    ),
 )
 
 # Big EN-FR used P_drop = 0.1 instead of 0.3 (Section 6.1), with a 32,000 word-piece vocabulary (Section 5.1).
-BIG_EN_FR = Table3Row("big-en-fr", {"d_model": 1024, "d_ff": 4096, "num_heads": 16, "dropout": 0.1, "vocab_size": 32000},
-                      None, None, None, train_steps=300_000)
+BIG_EN_FR = Table3Row(
+    "big-en-fr",
+    {"d_model": 1024, "d_ff": 4096, "num_heads": 16, "dropout": 0.1, "vocab_size": 32000},
+    None,
+    None,
+    None,
+    train_steps=300_000,
+)
 
 # Small presets that train on 2 CPU cores (not in the paper: same architecture, smaller sizes and vocabulary).
 CPU_PRESETS: tuple[Table3Row, ...] = (
-    Table3Row("small-cpu", {"d_model": 256, "d_ff": 1024, "num_heads": 4, "num_encoder_layers": 3,
-                            "num_decoder_layers": 3, "vocab_size": 8000}),
-    Table3Row("tiny-cpu", {"d_model": 64, "d_ff": 256, "num_heads": 4, "num_encoder_layers": 2,
-                           "num_decoder_layers": 2, "vocab_size": 8000}),
+    Table3Row(
+        "small-cpu",
+        {
+            "d_model": 256,
+            "d_ff": 1024,
+            "num_heads": 4,
+            "num_encoder_layers": 3,
+            "num_decoder_layers": 3,
+            "vocab_size": 8000,
+        },
+    ),
+    Table3Row(
+        "tiny-cpu",
+        {
+            "d_model": 64,
+            "d_ff": 256,
+            "num_heads": 4,
+            "num_encoder_layers": 2,
+            "num_decoder_layers": 2,
+            "vocab_size": 8000,
+        },
+    ),
 )
 
 # Section 6.3, English constituency parsing: "a 4-layer transformer with d_model = 1024", WSJ only with a
 # 16K-token vocabulary; "all other parameters remained unchanged from the English-to-German base
 # translation model" (so h = 8, d_k = d_v = 128, d_ff = 2048). The dropout, attention and residual, was
 # tuned on section 22 and not printed: 0.2 for both is the authors' tensor2tensor `transformer_parsing_base`.
-PARSER_WSJ = Table3Row("parser-wsj", {"num_encoder_layers": 4, "num_decoder_layers": 4, "d_model": 1024,
-                                      "dropout": 0.2, "attention_dropout": 0.2, "vocab_size": 16000})
+PARSER_WSJ = Table3Row(
+    "parser-wsj",
+    {
+        "num_encoder_layers": 4,
+        "num_decoder_layers": 4,
+        "d_model": 1024,
+        "dropout": 0.2,
+        "attention_dropout": 0.2,
+        "vocab_size": 16000,
+    },
+)
 # The parser's CPU preset (not in the paper): 2+2 layers of d_model 256 and a 4,000-token vocabulary train
 # on the free 3,000-tree treebank sample in minutes on 2 cores (configs/train/wsj-parse-cpu.yaml).
-PARSER_CPU = Table3Row("parser-cpu", {"d_model": 256, "d_ff": 1024, "num_heads": 4, "num_encoder_layers": 2,
-                                      "num_decoder_layers": 2, "vocab_size": 4000})
+PARSER_CPU = Table3Row(
+    "parser-cpu",
+    {
+        "d_model": 256,
+        "d_ff": 1024,
+        "num_heads": 4,
+        "num_encoder_layers": 2,
+        "num_decoder_layers": 2,
+        "vocab_size": 4000,
+    },
+)
 PARSER_CONFIGS: tuple[Table3Row, ...] = (PARSER_WSJ, PARSER_CPU)
 
 # Section 6.3's decoding: "we increased the maximum output length to input length + 300. We used a beam
 # size of 21 and alpha = 0.3" (the GNMT length penalty of Section 6.1).
-PARSER_GENERATION = {"num_beams": 21, "length_penalty": 0.3, "length_penalty_type": "gnmt", "max_output_length_offset": 300}
+PARSER_GENERATION = {
+    "num_beams": 21,
+    "length_penalty": 0.3,
+    "length_penalty_type": "gnmt",
+    "max_output_length_offset": 300,
+}
 PARSER_WSJ_F1 = 91.3  # Table 4, WSJ 23, trained on WSJ only (92.7 semi-supervised)
 
 ALL_MODEL_CONFIGS: tuple[Table3Row, ...] = (*TABLE3, BIG_EN_FR, *CPU_PRESETS, *PARSER_CONFIGS)

@@ -37,7 +37,9 @@ def count_parameters(config: VaswaniConfig) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def training_flops(config, source_tokens: float, target_tokens: float, source_length: float, target_length: float) -> float:
+def training_flops(
+    config, source_tokens: float, target_tokens: float, source_length: float, target_length: float
+) -> float:
     """Matrix-multiply FLOPs of one training step: forward and backward (3x forward), 2 FLOPs per multiply-add.
 
     Counts every projection, the feed-forward layers, the attention scores and weighted sums (which grow
@@ -49,10 +51,18 @@ def training_flops(config, source_tokens: float, target_tokens: float, source_le
     d, d_ff, h, d_k, d_v = config.d_model, config.d_ff, config.num_heads, config.d_k, config.d_v
     projections = d * h * (2 * d_k + d_v) + h * d_v * d  # Q, K, V and the output projection, per token
     encoder = config.num_encoder_layers * (projections + 2 * d * d_ff + h * source_length * (d_k + d_v))
-    decoder_per_target = config.num_decoder_layers * (
-        projections + 2 * d * d_ff + h * target_length * (d_k + d_v)  # self-attention and feed-forward
-        + d * h * d_k + h * d_v * d + h * source_length * (d_k + d_v)  # encoder-decoder attention: Q, O, scores
-    ) + d * config.vocab_size
+    decoder_per_target = (
+        config.num_decoder_layers
+        * (
+            projections
+            + 2 * d * d_ff
+            + h * target_length * (d_k + d_v)  # self-attention and feed-forward
+            + d * h * d_k
+            + h * d_v * d
+            + h * source_length * (d_k + d_v)  # encoder-decoder attention: Q, O, scores
+        )
+        + d * config.vocab_size
+    )
     decoder_per_source = config.num_decoder_layers * d * h * (d_k + d_v)  # its K and V, from the encoder output
     multiply_adds = source_tokens * (encoder + decoder_per_source) + target_tokens * decoder_per_target
     return 3 * 2 * multiply_adds
@@ -72,11 +82,21 @@ def parameter_table(files: list[Path]) -> tuple[list[dict], bool]:
         if reported is not None and abs(built / 1e6 - reported) > TOLERANCE_MILLIONS:
             checks.append(f"more than {TOLERANCE_MILLIONS:g}M from the paper")
         all_ok &= not checks
-        rows.append({
-            "name": file.stem, "N": f"{config.num_encoder_layers}+{config.num_decoder_layers}"
-            if config.num_encoder_layers != config.num_decoder_layers else config.num_encoder_layers,
-            "d_model": config.d_model, "d_ff": config.d_ff, "h": config.num_heads, "d_k": config.d_k,
-            "d_v": config.d_v, "dropout": config.dropout, "built": built, "paper": reported,
-            "check": "; ".join(checks) or "ok",
-        })
+        rows.append(
+            {
+                "name": file.stem,
+                "N": f"{config.num_encoder_layers}+{config.num_decoder_layers}"
+                if config.num_encoder_layers != config.num_decoder_layers
+                else config.num_encoder_layers,
+                "d_model": config.d_model,
+                "d_ff": config.d_ff,
+                "h": config.num_heads,
+                "d_k": config.d_k,
+                "d_v": config.d_v,
+                "dropout": config.dropout,
+                "built": built,
+                "paper": reported,
+                "check": "; ".join(checks) or "ok",
+            }
+        )
     return rows, all_ok

@@ -123,7 +123,9 @@ def read_treebank(patterns: str | os.PathLike | Iterable[str | os.PathLike], nor
             if normalize:
                 normalized = normalize_tree(tree)
                 if not normalized.children:
-                    logger.warning("%s:%s: tree has no words once empty elements are removed; skipped", path, tree.line)
+                    logger.warning(
+                        "%s:%s: tree has no words once empty elements are removed; skipped", path, tree.line
+                    )
                     continue
                 tree = normalized
             trees.append(tree)
@@ -213,8 +215,9 @@ def _prune(node: Tree) -> Tree | None:
     return Tree(node.label, kept) if kept else None
 
 
-def write_examples(trees: Sequence[Tree], source_path: str | os.PathLike, target_path: str | os.PathLike,
-                   tags: bool = False) -> int:
+def write_examples(
+    trees: Sequence[Tree], source_path: str | os.PathLike, target_path: str | os.PathLike, tags: bool = False
+) -> int:
     """Write line-aligned source (words) and target (linearised tree) files; returns the number of lines."""
     sources, targets = zip(*(tree_to_example(tree, tags) for tree in trees)) if trees else ((), ())
     for path, lines in ((source_path, sources), (target_path, targets)):
@@ -223,8 +226,9 @@ def write_examples(trees: Sequence[Tree], source_path: str | os.PathLike, target
     return len(trees)
 
 
-def bracket_f1(gold_trees: Sequence[Tree | str], predicted_trees: Sequence[Tree | str],
-               max_length: int | None = None) -> dict[str, float | int]:
+def bracket_f1(
+    gold_trees: Sequence[Tree | str], predicted_trees: Sequence[Tree | str], max_length: int | None = None
+) -> dict[str, float | int]:
     """Labelled bracketing precision, recall, F1 (EVALB ``COLLINS.prm``), exact match and counts.
 
     Trees may be :class:`Tree` objects or bracketed strings; both sides are normalised first. Returns
@@ -235,8 +239,13 @@ def bracket_f1(gold_trees: Sequence[Tree | str], predicted_trees: Sequence[Tree 
     return bracket_scores(gold_trees, predicted_trees, max_length=max_length)
 
 
-def parse(model_dir: str | os.PathLike, sentences: Sequence[Sequence[str]], num_beams: int | None = None,
-          batch_size: int = 32, tags: bool = False) -> list[Tree]:
+def parse(
+    model_dir: str | os.PathLike,
+    sentences: Sequence[Sequence[str]],
+    num_beams: int | None = None,
+    batch_size: int = 32,
+    tags: bool = False,
+) -> list[Tree]:
     """Parse tokenised sentences (lists of words) with a saved parser; one repaired tree per sentence.
 
     Decoding uses the model's ``generation_config`` (Section 6.3's beam 21, alpha 0.3 and input + 300
@@ -244,7 +253,9 @@ def parse(model_dir: str | os.PathLike, sentences: Sequence[Sequence[str]], num_
     """
     from vaswani_tx.translation import translate
 
-    outputs = translate(model_dir, [" ".join(words) for words in sentences], num_beams=num_beams, batch_size=batch_size)
+    outputs = translate(
+        model_dir, [" ".join(words) for words in sentences], num_beams=num_beams, batch_size=batch_size
+    )
     return [delinearize(text, words, tags) for text, words in zip(outputs, sentences)]
 
 
@@ -282,8 +293,10 @@ def run_recipe(
     if not test:
         raise ValueError(f"no trees in the test files {' '.join(map(str, test_trees))}")
     with arguments.main_process_first(local=False, desc="treebank"):  # process 0 writes, the others wait
-        for name, patterns, source, target in (("train", train_trees, recipe.train_source, recipe.train_target),
-                                               ("dev", dev_trees, recipe.dev_source, recipe.dev_target)):
+        for name, patterns, source, target in (
+            ("train", train_trees, recipe.train_source, recipe.train_target),
+            ("dev", dev_trees, recipe.dev_source, recipe.dev_target),
+        ):
             if source is None or target is None:
                 raise ValueError(f"run config {config} must name {name}_source and {name}_target files to write")
             if arguments.process_index == 0:
@@ -298,7 +311,7 @@ def run_recipe(
     model_dir = Path(arguments.output_dir)
     checkpoints = checkpoint_folders(model_dir)
     if recipe.average_last > 1 and len(checkpoints) >= 2:
-        model_dir = average_checkpoints(checkpoints[-recipe.average_last:], model_dir / "averaged")
+        model_dir = average_checkpoints(checkpoints[-recipe.average_last :], model_dir / "averaged")
     started = time.monotonic()
     predicted = parse(model_dir, [tree.words() for tree in test], num_beams=num_beams)
     parse_seconds = round(time.monotonic() - started, 1)
@@ -309,7 +322,12 @@ def run_recipe(
         from transformers import GenerationConfig
 
         num_beams = GenerationConfig.from_pretrained(model_dir).num_beams
-    scores = {"model": str(model_dir), "test_trees": len(test), "num_beams": num_beams, "parse_seconds": parse_seconds,
-              **bracket_f1(test, predicted, max_length=max_length)}
+    scores = {
+        "model": str(model_dir),
+        "test_trees": len(test),
+        "num_beams": num_beams,
+        "parse_seconds": parse_seconds,
+        **bracket_f1(test, predicted, max_length=max_length),
+    }
     (output_dir / "parse_scores.json").write_text(json.dumps(scores, indent=1) + "\n", encoding="utf-8")
     return {**metrics, "parse": scores}

@@ -67,8 +67,11 @@ class VaswaniTranslationPipeline(Pipeline):
 
     def postprocess(self, model_outputs, clean_up_tokenization_spaces: bool = False):
         return [
-            {"translation_text": self.tokenizer.decode(ids, skip_special_tokens=True,
-                                                       clean_up_tokenization_spaces=clean_up_tokenization_spaces)}
+            {
+                "translation_text": self.tokenizer.decode(
+                    ids, skip_special_tokens=True, clean_up_tokenization_spaces=clean_up_tokenization_spaces
+                )
+            }
             for ids in model_outputs["output_ids"]
         ]
 

@@ -23,15 +23,23 @@ from .paper import DEPARTURES_FROM_THE_PAPER
 
 TEMPLATE = Path(__file__).with_name("templates") / "model_card_template.md"
 REQUIRED_FILES = (
-    "config.json", "generation_config.json", "model.safetensors", "configuration_vaswani.py", "modeling_vaswani.py",
-    "generation_vaswani.py", "pipeline_vaswani.py", "static_decoding.py", "tokenizer.json", "tokenizer_config.json",
+    "config.json",
+    "generation_config.json",
+    "model.safetensors",
+    "configuration_vaswani.py",
+    "modeling_vaswani.py",
+    "generation_vaswani.py",
+    "pipeline_vaswani.py",
+    "static_decoding.py",
+    "tokenizer.json",
+    "tokenizer_config.json",
     "README.md",
 )
 
 # Options whose VaswaniConfig default is the paper's: a model that changes one lists it in its card.
 _PAPER_OPTIONS = {
     "position_encoding": "positions other than the paper's sinusoids: 'learned' is Table 3 row E; 'fairseq_sinusoidal' "
-                         "is fairseq's frequencies 10000^(-i/(D/2-1)) with positions from pad_token_id + 1",
+    "is fairseq's frequencies 10000^(-i/(D/2-1)) with positions from pad_token_id + 1",
     "tie_word_embeddings": "the pre-softmax projection is not tied to the embeddings",
     "scale_embedding": "embeddings are not multiplied by sqrt(d_model)",
     "attention_dropout": "dropout on attention weights",
@@ -47,11 +55,11 @@ _PAPER_OPTIONS = {
 CONVERSION_OPTIONS = {
     "attention_bias": "Marian (OPUS-MT), FSMT and fairseq checkpoints: their W^Q, W^K, W^V, W^O have biases",
     "position_encoding": "`fairseq_sinusoidal` for FSMT and fairseq checkpoints (their sinusoid frequencies and "
-                         "positions starting after the padding index)",
+    "positions starting after the padding index)",
     "final_logits_bias": "Marian (OPUS-MT) checkpoints whose logits bias is not all zero",
     "activation_function": "`swish` for OPUS-MT checkpoints trained with it",
     "share_encoder_decoder_embeddings": "`False` (with `decoder_vocab_size`) for FSMT and OPUS-MT checkpoints with "
-                                        "separate source and target vocabularies",
+    "separate source and target vocabularies",
     "tie_word_embeddings": "`False` for FSMT and fairseq checkpoints with their own output projection (Table 3's option too)",
     "decoder_d_ff": "FSMT's and fairseq's WMT19 models (feed-forward 8192 in the encoder, 4096 in the decoder)",
 }
@@ -62,8 +70,10 @@ def options_table(model) -> str:
     Marian's and fairseq's sin-half/cos-half hidden layout needs none: conversion permutes the weights."""
     defaults = VaswaniConfig.__dataclass_fields__
     rows = ["| option | paper (default) | this model | needed by |", "| --- | --- | --- | --- |"]
-    rows += [f"| `{field}` | `{defaults[field].default!r}` | `{getattr(model.config, field)!r}` | {needed_by} |"
-             for field, needed_by in CONVERSION_OPTIONS.items()]
+    rows += [
+        f"| `{field}` | `{defaults[field].default!r}` | `{getattr(model.config, field)!r}` | {needed_by} |"
+        for field, needed_by in CONVERSION_OPTIONS.items()
+    ]
     return "\n".join(rows)
 
 
@@ -83,22 +93,36 @@ def departures(model) -> list[str]:
     return items
 
 
-def render_model_card(model, *, repo: str, source_lang: str, target_lang: str, training_data: str,
-                      results: Sequence[dict[str, Any]] = (), datasets: Sequence[str] = ()) -> str:
+def render_model_card(
+    model,
+    *,
+    repo: str,
+    source_lang: str,
+    target_lang: str,
+    training_data: str,
+    results: Sequence[dict[str, Any]] = (),
+    datasets: Sequence[str] = (),
+) -> str:
     """The README.md text. `results` items: {"name", "score", "signature", "data"}; none means 'not measured'."""
     config, generation = model.config, model.generation_config
     if results:
         rows = ["| data | metric | score | signature |", "| --- | --- | --- | --- |"]
-        rows += [f"| {r.get('data', '')} | {r['name']} | {r['score']:.2f} | `{r.get('signature', '')}` |" for r in results]
-        rows.append("\nsacreBLEU (detokenized) and the paper's tokenized BLEU are different measures; compare "
-                    "each only with its own kind.")
+        rows += [
+            f"| {r.get('data', '')} | {r['name']} | {r['score']:.2f} | `{r.get('signature', '')}` |" for r in results
+        ]
+        rows.append(
+            "\nsacreBLEU (detokenized) and the paper's tokenized BLEU are different measures; compare "
+            "each only with its own kind."
+        )
         results_text = "\n".join(rows)
     else:
         results_text = "Not measured for this model."
-    decoding = (f"beam size {generation.num_beams}, length penalty alpha {generation.length_penalty} "
-                f"({getattr(generation, 'length_penalty_type', 'hf')} form), maximum output length = source length + "
-                f"{getattr(generation, 'max_output_length_offset', None)}"
-                + (", early stopping" if generation.early_stopping else ""))
+    decoding = (
+        f"beam size {generation.num_beams}, length penalty alpha {generation.length_penalty} "
+        f"({getattr(generation, 'length_penalty_type', 'hf')} form), maximum output length = source length + "
+        f"{getattr(generation, 'max_output_length_offset', None)}"
+        + (", early stopping" if generation.early_stopping else "")
+    )
     return Template(TEMPLATE.read_text(encoding="utf-8")).substitute(
         title=repo.rsplit("/", 1)[-1],
         repo=repo,
@@ -107,8 +131,14 @@ def render_model_card(model, *, repo: str, source_lang: str, target_lang: str, t
         languages="\n".join(f"- {lang}" for lang in (source_lang, target_lang)),
         datasets="\n".join(f"- {name}" for name in datasets) or "- custom",
         layers=f"{config.num_encoder_layers} + {config.num_decoder_layers}",
-        d_model=config.d_model, d_ff=config.d_ff, num_heads=config.num_heads, d_k=config.d_k, d_v=config.d_v,
-        dropout=config.dropout, position_encoding=config.position_encoding, vocab_size=config.vocab_size,
+        d_model=config.d_model,
+        d_ff=config.d_ff,
+        num_heads=config.num_heads,
+        d_k=config.d_k,
+        d_v=config.d_v,
+        dropout=config.dropout,
+        position_encoding=config.position_encoding,
+        vocab_size=config.vocab_size,
         parameters=f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M",
         decoding=decoding,
         training_data=training_data,
@@ -140,11 +170,21 @@ def check_hub_folder(folder: str | os.PathLike) -> None:
     config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
     for key in ("auto_map", "custom_pipelines"):
         if key not in config:
-            raise ValueError(f"{folder / 'config.json'} has no {key!r}: save the model with save_pretrained of vaswani_tx")
+            raise ValueError(
+                f"{folder / 'config.json'} has no {key!r}: save the model with save_pretrained of vaswani_tx"
+            )
 
 
-def push_to_hub(model, tokenizer, repo_id: str, folder: str | os.PathLike, *, private: bool = False,
-                token: str | None = None, **card: Any) -> str:
+def push_to_hub(
+    model,
+    tokenizer,
+    repo_id: str,
+    folder: str | os.PathLike,
+    *,
+    private: bool = False,
+    token: str | None = None,
+    **card: Any,
+) -> str:
     """Save the complete folder (`save_for_hub`), then upload it to `repo_id`. Returns the commit URL."""
     from huggingface_hub import HfApi
 

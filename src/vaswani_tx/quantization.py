@@ -39,9 +39,13 @@ def quantize_int8(model: nn.Module, inplace: bool = False) -> nn.Module:
 
     dtypes = {p.dtype for p in model.parameters()}
     if dtypes != {torch.float32}:
-        raise ValueError(f"quantize_int8 needs a float32 model; this one has parameters of {sorted(map(str, dtypes))}.")
+        raise ValueError(
+            f"quantize_int8 needs a float32 model; this one has parameters of {sorted(map(str, dtypes))}."
+        )
     if torch.backends.quantized.engine not in ("fbgemm", "x86", "onednn", "qnnpack"):
-        raise RuntimeError(f"no int8 engine on this machine (torch.backends.quantized.engine={torch.backends.quantized.engine!r}).")
+        raise RuntimeError(
+            f"no int8 engine on this machine (torch.backends.quantized.engine={torch.backends.quantized.engine!r})."
+        )
     if not inplace:
         model = copy.deepcopy(model)
     model.eval()

@@ -168,7 +168,9 @@ def load_run_config(
 
 
 def _check_paths(recipe: RecipeConfig) -> None:
-    keys = ["model_config", "dev_source", "dev_target"] + (["train_source", "train_target"] if recipe.train_source else [])
+    keys = ["model_config", "dev_source", "dev_target"] + (
+        ["train_source", "train_target"] if recipe.train_source else []
+    )
     for key in keys:
         value = getattr(recipe, key)
         if not Path(value).exists():
@@ -180,12 +182,20 @@ def _prepare_tokenizer(recipe: RecipeConfig, config, arguments: Seq2SeqTrainingA
     with arguments.main_process_first(desc="tokenizer"):
         if not (folder / "tokenizer.json").is_file():
             if recipe.wmt14:
-                raise ConfigError(f"tokenizer {folder} does not exist: create it first with `vaswani-tx train-tokenizer --wmt14 ...`")
+                raise ConfigError(
+                    f"tokenizer {folder} does not exist: create it first with `vaswani-tx train-tokenizer --wmt14 ...`"
+                )
             vocab_size = recipe.tokenizer_vocab_size or config.vocab_size
-            logger.info("training a %s vocabulary of %d on %s and %s", recipe.tokenizer_kind, vocab_size,
-                        recipe.train_source, recipe.train_target)
-            tokenizer = train_tokenizer([recipe.train_source, recipe.train_target], recipe.tokenizer_kind,
-                                        vocab_size, show_progress=False)
+            logger.info(
+                "training a %s vocabulary of %d on %s and %s",
+                recipe.tokenizer_kind,
+                vocab_size,
+                recipe.train_source,
+                recipe.train_target,
+            )
+            tokenizer = train_tokenizer(
+                [recipe.train_source, recipe.train_target], recipe.tokenizer_kind, vocab_size, show_progress=False
+            )
             tokenizer.save_pretrained(folder)
         tokenizer = load_tokenizer(folder)
     check_tokenizer_fits_model(tokenizer, config)
@@ -211,9 +221,11 @@ def _prepare_data(recipe: RecipeConfig, tokenizer, arguments: Seq2SeqTrainingArg
 def _sampler_state(trainer: VaswaniTrainer) -> dict[str, int]:
     """The state of the training sampler ``trainer`` builds, as far as a resume must agree with it."""
     return data.TokenBudgetBatchSampler.from_dataset(
-        trainer.train_dataset, trainer.max_tokens,
+        trainer.train_dataset,
+        trainer.max_tokens,
         seed=trainer.args.data_seed if trainer.args.data_seed is not None else trainer.args.seed,
-        num_replicas=max(1, trainer.args.world_size), rank=trainer.args.process_index,
+        num_replicas=max(1, trainer.args.world_size),
+        rank=trainer.args.process_index,
     ).state_dict()
 
 
@@ -243,7 +255,9 @@ def train(recipe: RecipeConfig, arguments: Seq2SeqTrainingArguments, resume: boo
         data_collator=collator,
         processing_class=tokenizer,
         # without generation the Trainer's predictions are logits: dev loss only
-        compute_metrics=make_compute_metrics(tokenizer, target_lang=recipe.target_lang) if arguments.predict_with_generate else None,
+        compute_metrics=make_compute_metrics(tokenizer, target_lang=recipe.target_lang)
+        if arguments.predict_with_generate
+        else None,
         callbacks=callbacks,
         max_tokens=recipe.max_tokens,
         eval_max_tokens=recipe.eval_max_tokens,
@@ -257,7 +271,9 @@ def train(recipe: RecipeConfig, arguments: Seq2SeqTrainingArguments, resume: boo
     logger.info(
         "processes: %d, gradient accumulation: %d, max_tokens: %d per batch: up to %d source and %d target "
         "tokens per optimizer step (the paper: about 25,000 each)",
-        world, arguments.gradient_accumulation_steps, recipe.max_tokens,
+        world,
+        arguments.gradient_accumulation_steps,
+        recipe.max_tokens,
         *(world * arguments.gradient_accumulation_steps * recipe.max_tokens,) * 2,
     )
     if checkpoint is not None:
@@ -305,7 +321,10 @@ def _last_evaluation(log_history: Sequence[dict[str, Any]], step: int) -> dict[s
 def _finish_from_checkpoint(trainer: VaswaniTrainer, checkpoint: str) -> dict[str, Any]:
     trainer.model.load_state_dict(VaswaniForConditionalGeneration.from_pretrained(checkpoint).state_dict())
     trainer.state = TrainerState.load_from_json(str(Path(checkpoint) / "trainer_state.json"))
-    metrics = {"global_step": trainer.state.global_step, **_last_evaluation(trainer.state.log_history, trainer.state.global_step)}
+    metrics = {
+        "global_step": trainer.state.global_step,
+        **_last_evaluation(trainer.state.log_history, trainer.state.global_step),
+    }
     _save_final(trainer)
     return metrics
 

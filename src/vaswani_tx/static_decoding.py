@@ -176,7 +176,11 @@ def _prepare(
         raise ValueError(
             f"decoder_input_ids have {batch} rows but the encoder output has {encoder_hidden_states.shape[0]}."
         )
-    length, dtype, device = self_cache.layers[0].max_cache_len, encoder_hidden_states.dtype, encoder_hidden_states.device
+    length, dtype, device = (
+        self_cache.layers[0].max_cache_len,
+        encoder_hidden_states.dtype,
+        encoder_hidden_states.device,
+    )
     rows = rows_per_source(encoder_hidden_states, encoder_attention_mask)
     sources = encoder_hidden_states[::rows]  # (G, S, D), G = B / rows
     while len(cross_cache.layers) < len(layers):  # a dynamic cross-attention cache starts with no layers

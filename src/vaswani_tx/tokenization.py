@@ -89,7 +89,9 @@ def _is_dataset(corpus: object) -> bool:
     return isinstance(corpus, datasets.Dataset)
 
 
-def _corpus_batches(corpus: Sequence[str | os.PathLike] | datasets.Dataset, columns: Sequence[str]) -> Iterator[list[str]]:
+def _corpus_batches(
+    corpus: Sequence[str | os.PathLike] | datasets.Dataset, columns: Sequence[str]
+) -> Iterator[list[str]]:
     """Batches of training text; both sides of a parallel corpus feed one joint vocabulary."""
     if _is_dataset(corpus):
         missing = [name for name in columns if name not in corpus.column_names]
@@ -157,15 +159,22 @@ def train_tokenizer(
         # The byte tokens go in as trainer "special tokens" only to reserve ids 4..259; they are made
         # ordinary vocabulary below so that decode(skip_special_tokens=True) keeps them.
         trainer = trainers.BpeTrainer(
-            vocab_size=vocab_size, min_frequency=min_frequency, limit_alphabet=limit_alphabet,
-            special_tokens=list(reserved), show_progress=show_progress,
+            vocab_size=vocab_size,
+            min_frequency=min_frequency,
+            limit_alphabet=limit_alphabet,
+            special_tokens=list(reserved),
+            show_progress=show_progress,
         )
         tokenizer.decoder = decoders.Sequence([decoders.ByteFallback(), decoders.Metaspace()])
     else:
         tokenizer = Tokenizer(models.WordPiece(unk_token=UNK_TOKEN, continuing_subword_prefix=""))
         trainer = trainers.WordPieceTrainer(
-            vocab_size=vocab_size, min_frequency=min_frequency, limit_alphabet=limit_alphabet,
-            special_tokens=list(reserved), continuing_subword_prefix="", show_progress=show_progress,
+            vocab_size=vocab_size,
+            min_frequency=min_frequency,
+            limit_alphabet=limit_alphabet,
+            special_tokens=list(reserved),
+            continuing_subword_prefix="",
+            show_progress=show_progress,
         )
         tokenizer.decoder = decoders.Metaspace()
     tokenizer.normalizer = build_normalizer()
@@ -244,8 +253,11 @@ def check_tokenizer_fits_model(tokenizer: Any, config: Any) -> None:
     if rows != size:
         why = ""
         if isinstance(rows, int):
-            why = (f" (its last {size - rows} ids would index past the embedding)" if size > rows
-                   else f" ({rows - size} embedding rows no token reaches)")
+            why = (
+                f" (its last {size - rows} ids would index past the embedding)"
+                if size > rows
+                else f" ({rows - size} embedding rows no token reaches)"
+            )
         clashes.append(f"vocab_size: config has {rows}, tokenizer has {size}{why}")
     fields = ["pad_token_id", "bos_token_id", "eos_token_id"]
     if getattr(config, "unk_token_id", None) is not None:
@@ -257,7 +269,11 @@ def check_tokenizer_fits_model(tokenizer: Any, config: Any) -> None:
     start = getattr(config, "decoder_start_token_id", None)
     specials = {"bos": tokenizer.bos_token_id, "eos": tokenizer.eos_token_id, "pad": tokenizer.pad_token_id}
     fixed = (tokenizer.pad_token_id, tokenizer.unk_token_id, tokenizer.bos_token_id, tokenizer.eos_token_id) == (
-        PAD_TOKEN_ID, UNK_TOKEN_ID, BOS_TOKEN_ID, EOS_TOKEN_ID)
+        PAD_TOKEN_ID,
+        UNK_TOKEN_ID,
+        BOS_TOKEN_ID,
+        EOS_TOKEN_ID,
+    )
     if fixed and start != BOS_TOKEN_ID:
         clashes.append(f"decoder_start_token_id: config has {start}, tokenizer has {BOS_TOKEN_ID}")
     elif not fixed and (start is None or start not in specials.values()):

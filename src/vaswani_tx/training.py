@@ -56,7 +56,9 @@ class TokenBudgetSeq2SeqTrainer(Seq2SeqTrainer):
         """The training sampler's ``state_dict()``, or ``None`` before training built it."""
         return None if self.train_sampler is None else self.train_sampler.state_dict()
 
-    def _token_budget_dataloader(self, dataset: datasets.Dataset, max_tokens: int, description: str, shuffle: bool) -> DataLoader:
+    def _token_budget_dataloader(
+        self, dataset: datasets.Dataset, max_tokens: int, description: str, shuffle: bool
+    ) -> DataLoader:
         dataset = self._remove_unused_columns(dataset, description=description)
         sampler = TokenBudgetBatchSampler.from_dataset(
             dataset,
@@ -78,7 +80,9 @@ class TokenBudgetSeq2SeqTrainer(Seq2SeqTrainer):
             pin_memory=self.args.dataloader_pin_memory,
             persistent_workers=self.args.dataloader_persistent_workers,
             prefetch_factor=self.args.dataloader_prefetch_factor,
-            worker_init_fn=partial(seed_worker, num_workers=self.args.dataloader_num_workers, rank=self.args.process_index),
+            worker_init_fn=partial(
+                seed_worker, num_workers=self.args.dataloader_num_workers, rank=self.args.process_index
+            ),
         )
         dataloader = self.accelerator.prepare(dataloader)
         # The sampler already gives each process its share; accelerate's BatchSamplerShard would shard

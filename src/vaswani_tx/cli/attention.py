@@ -19,8 +19,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--source", required=True, help="the source sentence")
     parser.add_argument("--target", help="the target sentence (default: the model's translation)")
     parser.add_argument("--output-dir", required=True, help="folder for the PNG files")
-    parser.add_argument("--kinds", nargs="+", default=["encoder", "decoder", "cross"],
-                        choices=["encoder", "decoder", "cross"], help="which attention to draw (default: all)")
+    parser.add_argument(
+        "--kinds",
+        nargs="+",
+        default=["encoder", "decoder", "cross"],
+        choices=["encoder", "decoder", "cross"],
+        help="which attention to draw (default: all)",
+    )
     parser.add_argument("--layers", nargs="+", type=int, help="1-based layer numbers to draw (default: all)")
 
 
@@ -31,8 +36,15 @@ def run(args: argparse.Namespace) -> int:
     layers = None if args.layers is None else [n - 1 for n in args.layers]
     try:
         translator = load_translator(args.model, device="cpu")  # the folder checks `translate` makes
-        paths = plot_attention_maps(translator.model, translator.tokenizer, args.source, args.output_dir,
-                                    target=args.target, kinds=args.kinds, layers=layers)
+        paths = plot_attention_maps(
+            translator.model,
+            translator.tokenizer,
+            args.source,
+            args.output_dir,
+            target=args.target,
+            kinds=args.kinds,
+            layers=layers,
+        )
     except (ValueError, OSError) as err:  # not a usable model folder, a layer it does not have, unwritable output
         return fail("attention", err)
     for path in paths:

@@ -20,8 +20,15 @@ from vaswani_tx.cli import fail
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
-    parser.add_argument("paths", nargs="+", help="a run folder (holding checkpoint-<step> folders) or checkpoint folders")
-    parser.add_argument("--last", type=int, default=5, help="with a run folder: average its last N checkpoints (default 5; the paper: 5 base, 20 big)")
+    parser.add_argument(
+        "paths", nargs="+", help="a run folder (holding checkpoint-<step> folders) or checkpoint folders"
+    )
+    parser.add_argument(
+        "--last",
+        type=int,
+        default=5,
+        help="with a run folder: average its last N checkpoints (default 5; the paper: 5 base, 20 big)",
+    )
     parser.add_argument("--output-dir", required=True, help="folder to write the averaged model to")
 
 
@@ -38,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
         if len(args.paths) == 1 and not found and not (Path(args.paths[0]) / "config.json").is_file():
             raise CheckpointError(f"{args.paths[0]} holds no checkpoint-<step> folders")
         if found:
-            chosen = found[-args.last:]
+            chosen = found[-args.last :]
             if len(chosen) < args.last:
                 print(f"only {len(chosen)} checkpoints in {args.paths[0]}: averaging those")
         else:

@@ -25,21 +25,46 @@ from vaswani_tx.cli.translate import add_decoding_arguments, decoding_options
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
-    parser.add_argument("model", help="a model folder with its tokenizer (train, average-checkpoints or save_pretrained output)")
+    parser.add_argument(
+        "model", help="a model folder with its tokenizer (train, average-checkpoints or save_pretrained output)"
+    )
     test_set = parser.add_argument_group("test set (files, or --wmt14)")
     test_set.add_argument("-s", "--source", metavar="FILE", help="UTF-8 source sentences, one per line")
-    test_set.add_argument("-r", "--reference", metavar="FILE", action="append",
-                          help="UTF-8 references, line-aligned with --source (repeat for several references)")
-    test_set.add_argument("--wmt14", metavar="SRC-TGT", help="WMT14 from the Hub through `datasets`, e.g. en-de or en-fr")
-    test_set.add_argument("--split", default="test", choices=["test", "validation"],
-                          help="WMT14 split: test = newstest2014 (default), validation = newstest2013")
+    test_set.add_argument(
+        "-r",
+        "--reference",
+        metavar="FILE",
+        action="append",
+        help="UTF-8 references, line-aligned with --source (repeat for several references)",
+    )
+    test_set.add_argument(
+        "--wmt14", metavar="SRC-TGT", help="WMT14 from the Hub through `datasets`, e.g. en-de or en-fr"
+    )
+    test_set.add_argument(
+        "--split",
+        default="test",
+        choices=["test", "validation"],
+        help="WMT14 split: test = newstest2014 (default), validation = newstest2013",
+    )
     scoring = parser.add_argument_group("scoring")
-    scoring.add_argument("--target-lang", help="target language code (default: the reference file's suffix, or --wmt14's)")
-    scoring.add_argument("--compound-splitting", action=argparse.BooleanOptionalAction, default=None,
-                         help="split hyphenated compounds as ##AT##-##AT## for tokenized BLEU (default: for German only)")
-    parser.add_argument("--output-dir", metavar="DIR", default="evaluation",
-                        help="where hypotheses and scores are saved (default: ./evaluation)")
-    parser.add_argument("--name", help="test set name in file names (default: the source file's stem, or newstest2014/2013)")
+    scoring.add_argument(
+        "--target-lang", help="target language code (default: the reference file's suffix, or --wmt14's)"
+    )
+    scoring.add_argument(
+        "--compound-splitting",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="split hyphenated compounds as ##AT##-##AT## for tokenized BLEU (default: for German only)",
+    )
+    parser.add_argument(
+        "--output-dir",
+        metavar="DIR",
+        default="evaluation",
+        help="where hypotheses and scores are saved (default: ./evaluation)",
+    )
+    parser.add_argument(
+        "--name", help="test set name in file names (default: the source file's stem, or newstest2014/2013)"
+    )
     add_decoding_arguments(parser)
 
 
@@ -86,24 +111,36 @@ def run(args: argparse.Namespace) -> int:
         write_lines(hypotheses, hypothesis_file)
         generation = translator.model.generation_config
         settings = {
-            "model": str(args.model), "test_set": name, "sentences": len(sources), "target_lang": target_lang,
+            "model": str(args.model),
+            "test_set": name,
+            "sentences": len(sources),
+            "target_lang": target_lang,
             "num_beams": args.num_beams or generation.num_beams,
             "length_penalty": args.length_penalty if args.length_penalty is not None else generation.length_penalty,
             "length_penalty_type": getattr(generation, "length_penalty_type", "hf"),
-            "max_output_length_offset": args.max_length_offset if args.max_length_offset is not None
+            "max_output_length_offset": args.max_length_offset
+            if args.max_length_offset is not None
             else getattr(generation, "max_output_length_offset", None),
-            "device": str(translator.device), "dtype": str(translator.model.dtype).removeprefix("torch."), "int8": args.int8,
-            "static_cache": args.static_cache, "decoding_seconds": round(seconds, 2), "hypotheses": str(hypothesis_file),
+            "device": str(translator.device),
+            "dtype": str(translator.model.dtype).removeprefix("torch."),
+            "int8": args.int8,
+            "static_cache": args.static_cache,
+            "decoding_seconds": round(seconds, 2),
+            "hypotheses": str(hypothesis_file),
         }
         scores_file = output_dir / f"{name}.scores.json"
         scores_file.write_text(json.dumps({**settings, **results}, indent=1, default=float) + "\n", encoding="utf-8")
     except (ValueError, OSError) as err:  # a bad file, folder or test set; an unreachable Hub
         return fail("evaluate", err)
-    print(f"{name}: {len(sources)} sentences, {settings['num_beams']} beams, alpha {settings['length_penalty']}, "
-          f"{seconds:.1f} s")
+    print(
+        f"{name}: {len(sources)} sentences, {settings['num_beams']} beams, alpha {settings['length_penalty']}, "
+        f"{seconds:.1f} s"
+    )
     print(f"sacreBLEU      {results['sacrebleu']:6.2f}  {results['sacrebleu_signature']}")
     print(f"chrF           {results['chrf']:6.2f}  {results['chrf_signature']}")
-    print(f"tokenized BLEU {results['tokenized_bleu']:6.2f}  {results['tokenized_bleu_signature']}  "
-          "(the paper's Table 2 kind; not comparable with sacreBLEU)")
+    print(
+        f"tokenized BLEU {results['tokenized_bleu']:6.2f}  {results['tokenized_bleu_signature']}  "
+        "(the paper's Table 2 kind; not comparable with sacreBLEU)"
+    )
     print(f"hypotheses: {hypothesis_file}\nscores: {scores_file}")
     return 0

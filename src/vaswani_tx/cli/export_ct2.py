@@ -22,8 +22,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.add_argument("model", help="saved model folder (config.json, weights, tokenizer.json)")
     parser.add_argument("out", help="folder to write the CTranslate2 model to")
-    parser.add_argument("--quantization", choices=QUANTIZATIONS, default=None,
-                        help="CTranslate2 weight quantization (default: none, float32)")
+    parser.add_argument(
+        "--quantization",
+        choices=QUANTIZATIONS,
+        default=None,
+        help="CTranslate2 weight quantization (default: none, float32)",
+    )
     parser.add_argument("--force", action="store_true", help="overwrite a non-empty output folder")
 
 

@@ -37,15 +37,23 @@ def run(args: argparse.Namespace) -> int:
         rows, ok = parameter_table(files)
     except (ValueError, OSError) as err:  # a file that is not JSON, or not a valid VaswaniConfig
         return fail("params", err)
-    header = f"{'config':28} {'N':>3} {'d_model':>7} {'d_ff':>5} {'h':>3} {'d_k':>4} {'d_v':>4} {'P_drop':>6} " \
-             f"{'params(M)':>10} {'paper(M)':>8} {'diff(M)':>8}  check"
+    header = (
+        f"{'config':28} {'N':>3} {'d_model':>7} {'d_ff':>5} {'h':>3} {'d_k':>4} {'d_v':>4} {'P_drop':>6} "
+        f"{'params(M)':>10} {'paper(M)':>8} {'diff(M)':>8}  check"
+    )
     print(header)
     print("-" * len(header))
     for r in rows:
         paper = f"{r['paper']:.0f}" if r["paper"] is not None else "-"
         diff = f"{r['built'] / 1e6 - r['paper']:+.2f}" if r["paper"] is not None else "-"
-        print(f"{r['name']:28} {r['N']:>3} {r['d_model']:>7} {r['d_ff']:>5} {r['h']:>3} {r['d_k']:>4} {r['d_v']:>4} "
-              f"{r['dropout']:>6} {r['built'] / 1e6:>10.2f} {paper:>8} {diff:>8}  {r['check']}")
-    print(f"\n{len(rows)} configs; built counts equal the closed form; paper figures use one shared vocabulary "
-          "of each config's vocab_size (37,000 for the paper's rows)." if ok else "\nFAILED: see the check column.")
+        print(
+            f"{r['name']:28} {r['N']:>3} {r['d_model']:>7} {r['d_ff']:>5} {r['h']:>3} {r['d_k']:>4} {r['d_v']:>4} "
+            f"{r['dropout']:>6} {r['built'] / 1e6:>10.2f} {paper:>8} {diff:>8}  {r['check']}"
+        )
+    print(
+        f"\n{len(rows)} configs; built counts equal the closed form; paper figures use one shared vocabulary "
+        "of each config's vocab_size (37,000 for the paper's rows)."
+        if ok
+        else "\nFAILED: see the check column."
+    )
     return 0 if ok else 1

@@ -37,19 +37,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     run_parser = sub.add_parser("run", help="linearise a treebank split, train, parse the test split, score")
     run_parser.add_argument("config", help="run config (YAML), e.g. configs/train/wsj-parse-cpu.yaml")
-    run_parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="override a config key, e.g. max_steps=100")
-    run_parser.add_argument("--train", nargs="+", required=True, metavar="TREES", help="training treebank files or globs")
-    run_parser.add_argument("--dev", nargs="+", required=True, metavar="TREES", help="development treebank files or globs")
-    run_parser.add_argument("--test", nargs="+", required=True, metavar="TREES", help="test treebank files or globs (parsed and scored)")
+    run_parser.add_argument(
+        "overrides", nargs="*", metavar="KEY=VALUE", help="override a config key, e.g. max_steps=100"
+    )
+    run_parser.add_argument(
+        "--train", nargs="+", required=True, metavar="TREES", help="training treebank files or globs"
+    )
+    run_parser.add_argument(
+        "--dev", nargs="+", required=True, metavar="TREES", help="development treebank files or globs"
+    )
+    run_parser.add_argument(
+        "--test", nargs="+", required=True, metavar="TREES", help="test treebank files or globs (parsed and scored)"
+    )
     run_parser.add_argument("--resume", action="store_true", help="continue from the last checkpoint in output_dir")
-    run_parser.add_argument("--num-beams", type=int, help="beam size for the test set (default: the model's generation config)")
+    run_parser.add_argument(
+        "--num-beams", type=int, help="beam size for the test set (default: the model's generation config)"
+    )
     run_parser.add_argument("--max-length", type=int, help="score only test sentences of at most this many words")
 
     predict = sub.add_parser("predict", help="parse sentences with a trained model")
     predict.add_argument("model", help="a model folder with its tokenizer")
     source = predict.add_mutually_exclusive_group(required=True)
     source.add_argument("--sentences", help="file of tokenised sentences, one per line")
-    source.add_argument("--trees", nargs="+", metavar="TREES", help="treebank files or globs: parse their sentences and score")
+    source.add_argument(
+        "--trees", nargs="+", metavar="TREES", help="treebank files or globs: parse their sentences and score"
+    )
     predict.add_argument("--output", help="write the trees here, one per line (default: print them)")
     predict.add_argument("--num-beams", type=int, help="beam size (default: the model's generation config)")
     predict.add_argument("--batch-size", type=int, default=32, help="sentences per generate() call (default 32)")
@@ -94,14 +106,24 @@ def run(args: argparse.Namespace) -> int:
     try:
         if args.action == "run":
             _move_overrides(args)
-            metrics = parsing.run_recipe(args.config, args.train, args.dev, args.test, args.overrides,
-                                         resume=args.resume, num_beams=args.num_beams, max_length=args.max_length)
+            metrics = parsing.run_recipe(
+                args.config,
+                args.train,
+                args.dev,
+                args.test,
+                args.overrides,
+                resume=args.resume,
+                num_beams=args.num_beams,
+                max_length=args.max_length,
+            )
             if "parse" in metrics:
                 print(json.dumps(metrics, indent=1))
                 _print_scores(metrics["parse"])
         elif args.action == "predict":
             gold = parsing.read_treebank(args.trees) if args.trees else None
-            sentences = [tree.words() for tree in gold] if gold else [line.split() for line in read_lines(args.sentences)]
+            sentences = (
+                [tree.words() for tree in gold] if gold else [line.split() for line in read_lines(args.sentences)]
+            )
             trees = parsing.parse(args.model, sentences, num_beams=args.num_beams, batch_size=args.batch_size)
             if args.output:
                 parsing.write_trees(trees, args.output)

@@ -28,27 +28,47 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     source.add_argument("--target-file", help="target-language text, line-aligned with --source-file")
     source.add_argument("--tsv", help="file with one 'source<TAB>target' pair per line")
     source.add_argument("--jsonl", help='file with one {"source": ..., "target": ...} object per line')
-    source.add_argument("--wmt14", metavar="SRC-TGT", help="WMT14 from the Hugging Face Hub: en-de, de-en, en-fr or fr-en")
-    source.add_argument("--split", default="train", help="with --wmt14: train, validation (newstest2013) or test (newstest2014)")
-    source.add_argument("--source-key", default="source", help="with --jsonl: field holding the source text (default source)")
-    source.add_argument("--target-key", default="target", help="with --jsonl: field holding the target text (default target)")
+    source.add_argument(
+        "--wmt14", metavar="SRC-TGT", help="WMT14 from the Hugging Face Hub: en-de, de-en, en-fr or fr-en"
+    )
+    source.add_argument(
+        "--split", default="train", help="with --wmt14: train, validation (newstest2013) or test (newstest2014)"
+    )
+    source.add_argument(
+        "--source-key", default="source", help="with --jsonl: field holding the source text (default source)"
+    )
+    source.add_argument(
+        "--target-key", default="target", help="with --jsonl: field holding the target text (default target)"
+    )
 
     parser.add_argument("--tokenizer", required=True, help="folder written by `vaswani-tx train-tokenizer`")
     parser.add_argument("--output-dir", required=True, help="folder to save the encoded dataset to")
 
     cleaning = parser.add_argument_group("cleaning (words = whitespace-separated)")
-    cleaning.add_argument("--min-words", type=int, default=1, help="drop pairs with a side shorter than this (default 1)")
-    cleaning.add_argument("--max-words", type=int, default=250, help="drop pairs with a side longer than this; 0 = no limit (default 250)")
     cleaning.add_argument(
-        "--max-length-ratio", type=float, default=3.0,
+        "--min-words", type=int, default=1, help="drop pairs with a side shorter than this (default 1)"
+    )
+    cleaning.add_argument(
+        "--max-words",
+        type=int,
+        default=250,
+        help="drop pairs with a side longer than this; 0 = no limit (default 250)",
+    )
+    cleaning.add_argument(
+        "--max-length-ratio",
+        type=float,
+        default=3.0,
         help="drop pairs whose longer side has more than this many times the words of the shorter; 0 = off (default 3)",
     )
-    cleaning.add_argument("--keep-duplicates", action="store_true", help="keep repeated identical pairs (default: keep the first only)")
+    cleaning.add_argument(
+        "--keep-duplicates", action="store_true", help="keep repeated identical pairs (default: keep the first only)"
+    )
 
     parser.add_argument("--num-proc", type=int, help="processes for tokenisation (default 1)")
     parser.add_argument("--cache-dir", help="datasets cache folder (default: the datasets default)")
     parser.add_argument(
-        "--max-tokens", type=int,
+        "--max-tokens",
+        type=int,
         help="also report how many token-budget batches of at most this many source and target tokens the data makes",
     )
 
@@ -61,7 +81,9 @@ def _load(args: argparse.Namespace):
     if args.tsv:
         return data.read_tsv(args.tsv, cache_dir=args.cache_dir)
     if args.jsonl:
-        return data.read_jsonl(args.jsonl, source_key=args.source_key, target_key=args.target_key, cache_dir=args.cache_dir)
+        return data.read_jsonl(
+            args.jsonl, source_key=args.source_key, target_key=args.target_key, cache_dir=args.cache_dir
+        )
     source_lang, _, target_lang = args.wmt14.partition("-")
     return data.load_wmt14(source_lang, target_lang, args.split, cache_dir=args.cache_dir, num_proc=args.num_proc)
 
@@ -94,7 +116,9 @@ def run(args: argparse.Namespace) -> int:
         )
         if args.max_tokens is not None:
             sampler = data.TokenBudgetBatchSampler(source_lengths, target_lengths, args.max_tokens)
-            print(f"max_tokens={args.max_tokens}: {len(sampler)} batches; {sampler.num_oversized} pairs too long for the budget")
+            print(
+                f"max_tokens={args.max_tokens}: {len(sampler)} batches; {sampler.num_oversized} pairs too long for the budget"
+            )
         encoded.save_to_disk(args.output_dir)
     except (ValueError, OSError) as err:  # CorpusError; a missing file or an unreachable Hub
         return fail("prepare-data", err)

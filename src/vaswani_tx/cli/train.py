@@ -25,7 +25,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.add_argument("config", help="run config (YAML) under configs/train/")
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="override a config key, e.g. max_steps=100")
-    parser.add_argument("--resume", action="store_true", help="continue from the last checkpoint in output_dir (start fresh if none)")
+    parser.add_argument(
+        "--resume", action="store_true", help="continue from the last checkpoint in output_dir (start fresh if none)"
+    )
 
 
 def run(args: argparse.Namespace) -> int:

@@ -22,25 +22,33 @@ from vaswani_tx.cli import fail
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.add_argument(
-        "files", nargs="*", metavar="FILE",
+        "files",
+        nargs="*",
+        metavar="FILE",
         help="plain UTF-8 text files, one sentence per line: both sides of the parallel corpus",
     )
     parser.add_argument(
-        "--wmt14", metavar="SRC-TGT",
+        "--wmt14",
+        metavar="SRC-TGT",
         help="learn from the WMT14 training set on the Hugging Face Hub instead of FILEs (en-de or en-fr)",
     )
     parser.add_argument("--output-dir", required=True, help="folder to write the tokenizer to (created if missing)")
     parser.add_argument(
-        "--kind", choices=("bpe", "wordpiece"), default="bpe",
+        "--kind",
+        choices=("bpe", "wordpiece"),
+        default="bpe",
         help="subword algorithm: bpe (paper's EN-DE) or wordpiece (paper's EN-FR); default bpe",
     )
     parser.add_argument(
-        "--vocab-size", type=int,
+        "--vocab-size",
+        type=int,
         help="number of tokens including special tokens; default 37000 for bpe, 32000 for wordpiece",
     )
     parser.add_argument("--min-frequency", type=int, default=2, help="never merge a pair seen fewer times (default 2)")
     parser.add_argument(
-        "--limit-alphabet", type=int, default=1000,
+        "--limit-alphabet",
+        type=int,
+        default=1000,
         help="keep at most this many distinct characters; rarer ones become bytes (bpe) or <unk> (default 1000)",
     )
     parser.add_argument("--cache-dir", help="datasets cache folder for --wmt14 (default: the datasets default)")

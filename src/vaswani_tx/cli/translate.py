@@ -24,38 +24,70 @@ def add_decoding_arguments(parser: argparse.ArgumentParser) -> None:
     """The options `translate` and `evaluate` share: decoding, batching, device and dtype."""
     group = parser.add_argument_group("decoding (defaults: the model's generation config, Section 6.1)")
     group.add_argument("--num-beams", type=int, help="beam size (the paper: 4; 1 is greedy)")
-    group.add_argument("--length-penalty", type=float, metavar="ALPHA",
-                       help="length penalty alpha, GNMT form ((5+|Y|)/6)^alpha (the paper: 0.6)")
-    group.add_argument("--max-length-offset", type=int, metavar="N",
-                       help="stop each output at its source length + N tokens (the paper: 50)")
-    group.add_argument("--max-tokens", type=int, default=4096,
-                       help="padded source tokens per batch (default 4096; memory grows with it times the beam)")
+    group.add_argument(
+        "--length-penalty",
+        type=float,
+        metavar="ALPHA",
+        help="length penalty alpha, GNMT form ((5+|Y|)/6)^alpha (the paper: 0.6)",
+    )
+    group.add_argument(
+        "--max-length-offset",
+        type=int,
+        metavar="N",
+        help="stop each output at its source length + N tokens (the paper: 50)",
+    )
+    group.add_argument(
+        "--max-tokens",
+        type=int,
+        default=4096,
+        help="padded source tokens per batch (default 4096; memory grows with it times the beam)",
+    )
     group.add_argument("--batch-size", type=int, help="at most this many sentences per batch (default: no limit)")
     group.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, mps, ... (default: the GPU if any)")
-    group.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
-                       help="weights' dtype for decoding (default: as saved)")
-    group.add_argument("--int8", action="store_true",
-                       help="int8 linear layers for CPU decoding (dynamic quantization of float32 weights)")
-    group.add_argument("--static-cache", action="store_true",
-                       help="decode with a static cache and a compiled step (generate(cache_implementation='static')): "
-                            "each process compiles the step on its first call, and the cache is preallocated")
+    group.add_argument(
+        "--dtype", choices=["float32", "bfloat16", "float16"], help="weights' dtype for decoding (default: as saved)"
+    )
+    group.add_argument(
+        "--int8",
+        action="store_true",
+        help="int8 linear layers for CPU decoding (dynamic quantization of float32 weights)",
+    )
+    group.add_argument(
+        "--static-cache",
+        action="store_true",
+        help="decode with a static cache and a compiled step (generate(cache_implementation='static')): "
+        "each process compiles the step on its first call, and the cache is preallocated",
+    )
     group.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
-    parser.add_argument("model", help="a model folder with its tokenizer (train, average-checkpoints or save_pretrained output)")
+    parser.add_argument(
+        "model", help="a model folder with its tokenizer (train, average-checkpoints or save_pretrained output)"
+    )
     parser.add_argument("sentences", nargs="*", help="sentences to translate (otherwise --input or standard input)")
-    parser.add_argument("-i", "--input", "--source", dest="input", metavar="FILE",
-                        help="UTF-8 file of source sentences, one per line ('-': standard input, the default)")
+    parser.add_argument(
+        "-i",
+        "--input",
+        "--source",
+        dest="input",
+        metavar="FILE",
+        help="UTF-8 file of source sentences, one per line ('-': standard input, the default)",
+    )
     parser.add_argument("-o", "--output", metavar="FILE", help="write translations here (default: standard output)")
     add_decoding_arguments(parser)
 
 
 def decoding_options(args: argparse.Namespace) -> dict:
     """`Translator.translate` keyword arguments from the shared options."""
-    options = {"num_beams": args.num_beams, "length_penalty": args.length_penalty, "max_tokens": args.max_tokens,
-               "batch_size": args.batch_size, "progress": not args.quiet}
+    options = {
+        "num_beams": args.num_beams,
+        "length_penalty": args.length_penalty,
+        "max_tokens": args.max_tokens,
+        "batch_size": args.batch_size,
+        "progress": not args.quiet,
+    }
     if args.max_length_offset is not None:
         options["max_output_length_offset"] = args.max_length_offset
     if args.static_cache:

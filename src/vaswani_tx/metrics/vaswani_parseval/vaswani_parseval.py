@@ -170,8 +170,11 @@ def iter_trees(text: str, source: str = "<string>") -> Iterator[Tree]:
                 raise fail(offset, f"constituent {label or '()'!s} {opened} has no children")
             words = [child for child in children if isinstance(child, str)]
             if words and (len(children) > 1):
-                raise fail(offset, f"({label} ...) {opened} mixes the word {words[0]!r} with other children: "
-                                   "a word must be a preterminal's only child")
+                raise fail(
+                    offset,
+                    f"({label} ...) {opened} mixes the word {words[0]!r} with other children: "
+                    "a word must be a preterminal's only child",
+                )
             tree = Tree(label or "", children, opened_line)
             if stack:
                 stack[-1][1].append(tree)
@@ -186,7 +189,9 @@ def iter_trees(text: str, source: str = "<string>") -> Iterator[Tree]:
                 stack[-1][1].append(token)
     if stack:
         _, _, opened_line, opened_column = stack[0]
-        raise TreebankFormatError(f"{source}:{opened_line}:{opened_column}: '(' opened here is never closed (the text ends first)")
+        raise TreebankFormatError(
+            f"{source}:{opened_line}:{opened_column}: '(' opened here is never closed (the text ends first)"
+        )
 
 
 def read_trees(text: str, source: str = "<string>") -> list[Tree]:
@@ -341,7 +346,9 @@ class VaswaniParseval(evaluate.Metric):
             description=__doc__,
             citation=_CITATION,
             inputs_description=_KWARGS_DESCRIPTION,
-            features=datasets.Features({"predictions": datasets.Value("string"), "references": datasets.Value("string")}),
+            features=datasets.Features(
+                {"predictions": datasets.Value("string"), "references": datasets.Value("string")}
+            ),
             codebase_urls=["https://nlp.cs.nyu.edu/evalb/"],
             reference_urls=["https://arxiv.org/abs/1706.03762"],
         )
