@@ -2,8 +2,9 @@
 
 The classes follow the paper's order: positional encoding (3.5), scaled dot-product and multi-head
 attention (3.2), the position-wise feed-forward network (3.3), encoder and decoder layers and stacks
-(3.1), embeddings shared with the pre-softmax projection (3.4), then the Hugging Face model classes.
-Section 6.1's decoding (beam search settings, length penalty, output length) is generation_vaswani.py.
+(3.1), embeddings shared with the pre-softmax projection (3.4), then the Hugging Face model classes;
+skipping padding (`PaddingPlan`), an engineering choice, closes the file. Section 6.1's decoding (beam
+search settings, length penalty, output length) is generation_vaswani.py.
 
 Shape legend: B batch, S source length, T target length (new tokens this call), P cached target
 positions, h heads, d_k query/key size per head, d_v value size per head, D d_model, F d_ff, V vocabulary.
@@ -191,91 +192,6 @@ def scaled_dot_product_attention(
     weights = nn.functional.dropout(weights, p=dropout, training=module.training)
     output = torch.matmul(weights, value).transpose(1, 2)  # (B, h, T, d_v) -> (B, T, h, d_v)
     return output, weights
-
-
-@dataclass(frozen=True)
-class PaddingPlan:
-    """The positions that can affect a result, decided once per forward (`config.skip_padding`).
-
-    Padding is a third of a typical batch of sentences, and the matrix products at padded positions,
-    most of the model's work, would be thrown away: no real query attends to a padded key, and with
-    causal attention no earlier target position sees a later one. The position-wise maps (W^Q, W^K,
-    W^V, W^O, the FFN, the pre-softmax projection) therefore run only at these positions, each a flat
-    index into (B, L), or None for all of them:
-    - `source`: real source positions;
-    - `target`: target positions up to the last label (or the last 1 of the decoder's mask);
-    - `labelled`: target positions with a label, where the loss needs logits.
-    A row with nothing real is computed whole, as without skipping (a fully padded source then still
-    gets uniform attention over its padding).
-    """
-
-    source: torch.Tensor | None = None
-    target: torch.Tensor | None = None
-    labelled: torch.Tensor | None = None
-
-    @classmethod
-    def build(
-        cls,
-        config: VaswaniConfig,
-        source_mask: torch.Tensor | None = None,
-        target_mask: torch.Tensor | None = None,
-        labels: torch.Tensor | None = None,
-        target_length: int | None = None,
-    ) -> PaddingPlan:
-        """The plan for a batch: masks (B, L) are 1 for real tokens; `labels` (B, T) are -100 where unlabelled.
-        Without `config.skip_padding`, the empty plan: every position is computed."""
-        if not config.skip_padding:
-            return cls()
-        target = labelled = None
-        ends = None  # (B,): target positions at and after ends[b] need no output
-        if labels is not None:
-            has_label = labels.ne(-100)
-            labelled = real_positions(has_label)
-            ends = prefix_lengths(has_label)
-        if target_mask is not None:
-            mask_ends = prefix_lengths(target_mask)
-            ends = mask_ends if ends is None else torch.minimum(ends, mask_ends)
-        if ends is not None:
-            length = (
-                target_length
-                if target_length is not None
-                else (labels if labels is not None else target_mask).shape[1]
-            )
-            target = real_positions(torch.arange(length, device=ends.device)[None, :] < ends[:, None])
-        return cls(source=real_positions(source_mask), target=target, labelled=labelled)
-
-
-def at_positions(function, hidden_states: torch.Tensor, index: torch.Tensor | None) -> torch.Tensor:
-    """`function` (a position-wise map: a Linear, the FFN) applied only at the flat positions `index`
-    of hidden_states (B, L, D_in), zeros elsewhere; (B, L, D_out). All of them when `index` is None."""
-    if index is None:
-        return function(hidden_states)
-    batch, length, width = hidden_states.shape
-    picked = function(hidden_states.reshape(batch * length, width).index_select(0, index))  # (N, D_out)
-    return scatter_positions(picked, index, batch, length)
-
-
-def scatter_positions(picked: torch.Tensor, index: torch.Tensor, batch: int, length: int) -> torch.Tensor:
-    """Rows `picked` (N, D) put back at the flat positions `index` of a (B, L, D) tensor of zeros."""
-    return picked.new_zeros(batch * length, picked.shape[-1]).index_copy(0, index, picked).view(batch, length, -1)
-
-
-def real_positions(mask: torch.Tensor | None) -> torch.Tensor | None:
-    """Flat indices into (B, L) of the positions where `mask` (B, L) is nonzero: the positions to
-    compute. A row with none is computed whole. None when that is every position."""
-    if mask is None:
-        return None
-    keep = mask.bool()
-    keep = keep | ~keep.any(1, keepdim=True)
-    if bool(keep.all()):
-        return None
-    return keep.reshape(-1).nonzero().squeeze(1)
-
-
-def prefix_lengths(mask: torch.Tensor) -> torch.Tensor:
-    """(B,): one past the last nonzero position of each row of `mask` (B, L); 0 for a row of zeros."""
-    ones = mask.bool()
-    return torch.where(ones.any(1), ones.shape[1] - ones.flip(1).int().argmax(1), 0)
 
 
 class MultiHeadAttention(nn.Module):
@@ -1086,6 +1002,96 @@ class VaswaniForConditionalGeneration(VaswaniPreTrainedModel, VaswaniGenerationM
             return past_key_values
         past_key_values.self_attention_cache.reorder_cache(beam_idx)
         return past_key_values
+
+
+# ---------------------------------------------------------------------------------------------------
+# Skipping padding: the same maths at fewer positions (an engineering choice, not the paper's)
+# ---------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PaddingPlan:
+    """The positions that can affect a result, decided once per forward (`config.skip_padding`).
+
+    Padding is a third of a typical batch of sentences, and the matrix products at padded positions,
+    most of the model's work, would be thrown away: no real query attends to a padded key, and with
+    causal attention no earlier target position sees a later one. The position-wise maps (W^Q, W^K,
+    W^V, W^O, the FFN, the pre-softmax projection) therefore run only at these positions, each a flat
+    index into (B, L), or None for all of them:
+    - `source`: real source positions;
+    - `target`: target positions up to the last label (or the last 1 of the decoder's mask);
+    - `labelled`: target positions with a label, where the loss needs logits.
+    A row with nothing real is computed whole, as without skipping (a fully padded source then still
+    gets uniform attention over its padding).
+    """
+
+    source: torch.Tensor | None = None
+    target: torch.Tensor | None = None
+    labelled: torch.Tensor | None = None
+
+    @classmethod
+    def build(
+        cls,
+        config: VaswaniConfig,
+        source_mask: torch.Tensor | None = None,
+        target_mask: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        target_length: int | None = None,
+    ) -> PaddingPlan:
+        """The plan for a batch: masks (B, L) are 1 for real tokens; `labels` (B, T) are -100 where unlabelled.
+        Without `config.skip_padding`, the empty plan: every position is computed."""
+        if not config.skip_padding:
+            return cls()
+        target = labelled = None
+        ends = None  # (B,): target positions at and after ends[b] need no output
+        if labels is not None:
+            has_label = labels.ne(-100)
+            labelled = real_positions(has_label)
+            ends = prefix_lengths(has_label)
+        if target_mask is not None:
+            mask_ends = prefix_lengths(target_mask)
+            ends = mask_ends if ends is None else torch.minimum(ends, mask_ends)
+        if ends is not None:
+            length = (
+                target_length
+                if target_length is not None
+                else (labels if labels is not None else target_mask).shape[1]
+            )
+            target = real_positions(torch.arange(length, device=ends.device)[None, :] < ends[:, None])
+        return cls(source=real_positions(source_mask), target=target, labelled=labelled)
+
+
+def at_positions(function, hidden_states: torch.Tensor, index: torch.Tensor | None) -> torch.Tensor:
+    """`function` (a position-wise map: a Linear, the FFN) applied only at the flat positions `index`
+    of hidden_states (B, L, D_in), zeros elsewhere; (B, L, D_out). All of them when `index` is None."""
+    if index is None:
+        return function(hidden_states)
+    batch, length, width = hidden_states.shape
+    picked = function(hidden_states.reshape(batch * length, width).index_select(0, index))  # (N, D_out)
+    return scatter_positions(picked, index, batch, length)
+
+
+def scatter_positions(picked: torch.Tensor, index: torch.Tensor, batch: int, length: int) -> torch.Tensor:
+    """Rows `picked` (N, D) put back at the flat positions `index` of a (B, L, D) tensor of zeros."""
+    return picked.new_zeros(batch * length, picked.shape[-1]).index_copy(0, index, picked).view(batch, length, -1)
+
+
+def real_positions(mask: torch.Tensor | None) -> torch.Tensor | None:
+    """Flat indices into (B, L) of the positions where `mask` (B, L) is nonzero: the positions to
+    compute. A row with none is computed whole. None when that is every position."""
+    if mask is None:
+        return None
+    keep = mask.bool()
+    keep = keep | ~keep.any(1, keepdim=True)
+    if bool(keep.all()):
+        return None
+    return keep.reshape(-1).nonzero().squeeze(1)
+
+
+def prefix_lengths(mask: torch.Tensor) -> torch.Tensor:
+    """(B,): one past the last nonzero position of each row of `mask` (B, L); 0 for a row of zeros."""
+    ones = mask.bool()
+    return torch.where(ones.any(1), ones.shape[1] - ones.flip(1).int().argmax(1), 0)
 
 
 __all__ = [
