@@ -21,6 +21,7 @@ TRAVELLING = {
     "generation_vaswani",
     "static_decoding",
     "pipeline_vaswani",
+    "tokenization_fairseq",  # converted fairseq and FSMT folders only
 }
 
 

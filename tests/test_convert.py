@@ -34,6 +34,7 @@ from vaswani_tx.convert import (
     marian_to_vaswani,
     vaswani_to_marian,
 )
+from vaswani_tx.tokenization import check_tokenizer_fits_model
 
 EN = [
     "a dog runs in the park .",
@@ -216,6 +217,25 @@ def test_marian_converts_exactly(marian_pair):
     _assert_same_translations(marian, folder, EN[:3])
 
 
+def test_marian_targets_are_encoded_with_the_target_vocabulary(marian_pair):
+    """Labels from `tokenizer(text_target=...)` are the target SentencePiece pieces looked up in the target
+    vocabulary, which with separate vocabularies is not the source one."""
+    import sentencepiece as spm
+
+    marian, root = marian_pair
+    folder = root / "converted"
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    check_tokenizer_fits_model(tokenizer, VaswaniConfig.from_pretrained(folder))
+    share = marian.config.share_encoder_decoder_embeddings
+    vocab = json.loads((folder / ("vocab.json" if share else "target_vocab.json")).read_text(encoding="utf-8"))
+    pieces = spm.SentencePieceProcessor(model_file=str(folder / "target.spm"))
+    for text in DE:
+        expected = [vocab.get(piece, vocab["<unk>"]) for piece in pieces.encode(text, out_type=str)] + [vocab["</s>"]]
+        assert tokenizer(text_target=text).input_ids == expected
+    if not share:
+        assert any(tokenizer(text).input_ids != tokenizer(text_target=text).input_ids for text in DE)
+
+
 def test_converted_model_fine_tunes_with_the_recipe_and_saves(marian_pair, tmp_path):
     from datasets import Dataset
     from transformers import DataCollatorForSeq2Seq, Seq2SeqTrainingArguments
@@ -387,9 +407,17 @@ def test_fsmt_converts_exactly(fairseq_folder, tmp_path):
 
     (tmp_path / "fsmt").mkdir()
     _fairseq_tokenizer(source / "checkpoint_best.pt", {"source_lang": "en", "target_lang": "de"}, tmp_path / "fsmt")
+    tokenizer_config = json.loads((tmp_path / "fsmt" / "tokenizer_config.json").read_text())
+    del tokenizer_config["moses_normalize"]
+    tokenizer_config["tokenizer_class"] = "FSMTTokenizer"
+    (tmp_path / "fsmt" / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    assert AutoTokenizer.from_pretrained(tmp_path / "fsmt").eos_token_id is None  # FSMT's own has no eos token
     fsmt.generation_config.update(num_beams=2, max_length=12)
     fsmt.save_pretrained(tmp_path / "fsmt")
     convert(tmp_path / "fsmt", tmp_path / "out")
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "out")
+    assert type(tokenizer).__name__ == "FairseqTokenizer" and tokenizer.moses_normalize  # FSMT's pre-processing
+    check_tokenizer_fits_model(tokenizer, VaswaniConfig.from_pretrained(tmp_path / "out"))
     config = VaswaniConfig.from_pretrained(tmp_path / "out")
     assert config.position_encoding == "fairseq_sinusoidal" and config.attention_bias
     assert not config.share_encoder_decoder_embeddings and not config.tie_word_embeddings
@@ -420,9 +448,11 @@ def test_fairseq_checkpoint_gives_the_fsmt_logits(fairseq_folder, tmp_path, layo
     if layout == "args" and not legacy:  # the command on the folder: a complete model folder with FSMT's tokenizer
         assert main(["convert", str(tmp_path), str(tmp_path / "out")]) == 0
         tokenizer = AutoTokenizer.from_pretrained(tmp_path / "out")
-        assert type(tokenizer).__name__ == "FSMTTokenizer"
+        assert type(tokenizer).__name__ == "FairseqTokenizer" and tokenizer.eos_token_id == 2
         assert tokenizer.convert_ids_to_tokens(tokenizer("the")["input_ids"]) == ["th", "e</w>", "</s>"]
-        assert json.loads((tmp_path / "out" / "generation_config.json").read_text())["num_beams"] == 5
+        generation = json.loads((tmp_path / "out" / "generation_config.json").read_text())
+        assert (generation["num_beams"], generation["early_stopping"]) == (5, True)
+        assert (generation["max_len_a"], generation["max_len_b"], generation["length_penalty"]) == (0.0, 200, 1.0)
 
 
 def test_shared_fairseq_vocabulary_ties_all_three_tables(tmp_path):
@@ -537,13 +567,22 @@ def small_fairseq(tmp_path):
     return tmp_path, _fsmt_model(size, size, tie=True)
 
 
-def test_unsupported_fairseq_architecture_and_flags_are_named(small_fairseq):
+def test_fairseq_architectures_are_decided_by_their_settings_not_their_names(small_fairseq):
     folder, fsmt = small_fairseq
-    _write_fairseq(fsmt, folder / "model.pt", arch="transformer_lm_gpt")
-    with pytest.raises(
-        CheckpointError, match=r"architecture 'transformer_lm_gpt' is not supported; supported: transformer, "
-    ):
+    for arch in ("transformer_iwslt_de_en", "transformer_wmt_en_de_big", "my_own_post_ln_transformer"):
+        _write_fairseq(fsmt, folder / "model.pt", arch=arch)
+        model, settings = fairseq_to_vaswani(folder / "model.pt")
+        assert settings["arch"] == arch and model.config.num_heads == 3  # the recorded heads, not the preset's
+    _write_fairseq(fsmt, folder / "model.pt", arch="my_own", encoder_attention_heads=None)
+    with pytest.raises(CheckpointError, match="architecture 'my_own' records no encoder_attention_heads"):
         fairseq_to_vaswani(folder / "model.pt")
+    _write_fairseq(fsmt, folder / "model.pt", arch="bart_base", layernorm_embedding=True)
+    with pytest.raises(ConversionError, match=r"\(bart_base\): layernorm_embedding=True cannot be represented"):
+        fairseq_to_vaswani(folder / "model.pt")
+
+
+def test_unrepresentable_fairseq_flags_are_named(small_fairseq):
+    folder, fsmt = small_fairseq
     _write_fairseq(fsmt, folder / "model.pt", encoder_normalize_before=True)
     with pytest.raises(ConversionError, match="encoder_normalize_before=True cannot be represented: a pre-LN encoder"):
         fairseq_to_vaswani(folder / "model.pt")
@@ -551,6 +590,26 @@ def test_unsupported_fairseq_architecture_and_flags_are_named(small_fairseq):
     with pytest.raises(ConversionError, match="layernorm_embedding=True"):
         convert(folder, folder / "out")
     assert not (folder / "out").exists()
+
+
+def test_languages_fairseq_did_not_record_come_from_the_dictionary_sizes(tmp_path):
+    """fairseq-train without --source-lang/--target-lang infers them from its data folder and records None."""
+    source_size = len(_fairseq_dictionary(tmp_path, "en"))
+    (tmp_path / "dict.de.txt").write_text(
+        (tmp_path / "dict.en.txt").read_text(encoding="utf-8") + "extra 1\n", encoding="utf-8"
+    )
+    _write_fairseq(_fsmt_model(source_size, source_size + 1, tie=False), tmp_path / "model.pt", layout="cfg")
+    checkpoint = torch.load(tmp_path / "model.pt", weights_only=False)
+    checkpoint["cfg"]["task"].update(source_lang=None, target_lang=None)
+    torch.save(checkpoint, tmp_path / "model.pt")
+    _, settings = fairseq_to_vaswani(tmp_path / "model.pt")
+    assert (settings["source_lang"], settings["target_lang"]) == ("en", "de")
+    (tmp_path / "dict.de.txt").write_text((tmp_path / "dict.en.txt").read_text(encoding="utf-8"), encoding="utf-8")
+    _write_fairseq(
+        _fsmt_model(source_size, source_size, tie=True), tmp_path / "model.pt", source_lang=None, target_lang=None
+    )
+    with pytest.raises(ConversionError, match=r"not recorded .* \(dict\.de\.txt, dict\.en\.txt\)"):
+        fairseq_to_vaswani(tmp_path / "model.pt")
 
 
 def test_truncated_checkpoint_is_refused_naming_the_file(small_fairseq):

@@ -37,8 +37,10 @@ import torch
 
 from .configuration_vaswani import VaswaniConfig
 from .fairseq_checkpoint import CheckpointError, checkpoint_settings, load_checkpoint, read_dictionary
+from .generation_vaswani import fairseq_generation_config
 from .modeling_vaswani import VaswaniForConditionalGeneration
 from .text_io import iter_lines
+from .tokenization_fairseq import FairseqTokenizer
 
 
 class ConversionError(ValueError):
@@ -320,9 +322,8 @@ def fairseq_to_vaswani(checkpoint_path: str | os.PathLike) -> tuple[VaswaniForCo
     for field in ("encoder_embed_dim", "decoder_embed_dim", "decoder_output_dim", "decoder_input_dim"):
         if settings.get(field, d_model) != d_model:
             raise ConversionError(f"{where}: {field}={settings[field]} differs from the embedding width {d_model}.")
-    source_lang, target_lang = settings.get("source_lang"), settings.get("target_lang")
-    if not source_lang or not target_lang:
-        raise ConversionError(f"{where}: source_lang/target_lang are not recorded in the checkpoint's settings.")
+    source_lang, target_lang = _languages(settings, path, tensors, where)
+    settings.update(source_lang=source_lang, target_lang=target_lang)
     for lang, key in ((source_lang, "encoder.embed_tokens.weight"), (target_lang, "decoder.embed_tokens.weight")):
         size = len(read_dictionary(path.with_name(f"dict.{lang}.txt")))
         if size != tensors[key].shape[0]:
@@ -360,6 +361,32 @@ def fairseq_to_vaswani(checkpoint_path: str | os.PathLike) -> tuple[VaswaniForCo
     return _to_vaswani(fields, tensors), settings
 
 
+def _languages(settings: dict[str, Any], path: Path, tensors: dict[str, torch.Tensor], where: str) -> tuple[str, str]:
+    """source_lang and target_lang as the checkpoint records them or, where fairseq-train inferred them from its
+    data folder and recorded None, from the two `dict.<lang>.txt` beside the checkpoint: the one whose size is
+    the encoder embedding's is the source's."""
+    source_lang, target_lang = settings.get("source_lang"), settings.get("target_lang")
+    if source_lang and target_lang:
+        return source_lang, target_lang
+    files = sorted(path.parent.glob("dict.*.txt"))
+    langs = [file.name.removeprefix("dict.").removesuffix(".txt") for file in files]
+    if len(langs) == 2:
+        sizes = {lang: len(read_dictionary(file)) for lang, file in zip(langs, files)}
+        rows = (tensors["encoder.embed_tokens.weight"].shape[0], tensors["decoder.embed_tokens.weight"].shape[0])
+        pairs = [
+            (first, second)
+            for first, second in (langs, langs[::-1])
+            if (sizes[first], sizes[second]) == rows and source_lang in (None, first) and target_lang in (None, second)
+        ]
+        if len(pairs) == 1:
+            return pairs[0]
+    raise ConversionError(
+        f"{where}: source_lang/target_lang are not recorded in the checkpoint's settings, and the dictionaries "
+        f"beside it ({', '.join(file.name for file in files) or 'none'}) do not tell them: two of different sizes "
+        "would (the encoder's is the source's)."
+    )
+
+
 def _fairseq_tensors(state: dict[str, torch.Tensor], where: str) -> dict[str, torch.Tensor]:
     """fairseq's keys in the BART naming `_to_vaswani` reads, including the layouts of fairseq before 0.7
     (one `in_proj_weight` for q, k, v; encoder `layer_norms.0/1`) and `decoder.embed_out`."""
@@ -389,8 +416,9 @@ def _count_layers(tensors: dict[str, torch.Tensor], stack: str) -> int:
 
 
 def _fairseq_tokenizer(checkpoint_path: Path, settings: dict[str, Any], out: Path) -> None:
-    """FSMTTokenizer files (moses + BPE, as transformers' FSMT port of fairseq): vocab-src.json, vocab-tgt.json
-    (fairseq's `@@` continuation marks rewritten as FSMT's `</w>` word ends) and merges.txt from the BPE codes."""
+    """FairseqTokenizer files (FSMTTokenizer's: moses + BPE, as transformers' FSMT port of fairseq): vocab-src.json,
+    vocab-tgt.json (fairseq's `@@` continuation marks rewritten as FSMT's `</w>` word ends) and merges.txt from
+    the BPE codes; Moses tokenization without FSMT's punctuation normalisation, as fairseq's `--tokenizer moses`."""
     folder = checkpoint_path.parent
     codes = next((folder / name for name in ("bpecodes", "code") if (folder / name).is_file()), None)
     if codes is None:
@@ -412,8 +440,9 @@ def _fairseq_tokenizer(checkpoint_path: Path, settings: dict[str, Any], out: Pat
     (out / "tokenizer_config.json").write_text(
         json.dumps(
             {
-                "tokenizer_class": "FSMTTokenizer",
+                "tokenizer_class": "FairseqTokenizer",
                 "langs": [source_lang, target_lang],
+                "moses_normalize": False,
                 "model_max_length": 1024,
                 "do_lower_case": lowercase,
             },
@@ -441,10 +470,6 @@ def _generation_config(model: VaswaniForConditionalGeneration, source: dict[str,
     for name in ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id"):
         settings[name] = getattr(model.config, name)
     return GenerationConfig(**settings)
-
-
-# fairseq-generate's beam 5, as transformers' FSMT port of the fairseq WMT models configures it.
-FAIRSEQ_DECODING = {"num_beams": 5, "length_penalty": 1.0, "early_stopping": False, "max_length": 200}
 
 
 def _detect(source: Path) -> tuple[str, Path]:
@@ -484,7 +509,7 @@ def convert(source: str | os.PathLike, out: str | os.PathLike) -> Path:
         if kind == "fairseq":
             model, settings = fairseq_to_vaswani(path)
             _fairseq_tokenizer(path, settings, staging)
-            generation = dict(FAIRSEQ_DECODING)
+            generation = fairseq_generation_config(model.config).to_dict()  # fairseq-generate's defaults
         else:
             from transformers import FSMTForConditionalGeneration, MarianMTModel
 
@@ -497,7 +522,8 @@ def convert(source: str | os.PathLike, out: str | os.PathLike) -> Path:
                 else original.generation_config
             ).to_dict()
             del original
-            AutoTokenizer.from_pretrained(path).save_pretrained(staging)
+            # FSMT's tokenizer has no eos token and encodes targets with the source vocabulary: ours fixes both
+            (FairseqTokenizer if kind == "fsmt" else AutoTokenizer).from_pretrained(path).save_pretrained(staging)
         model.generation_config = _generation_config(model, generation)
         tokenizer = AutoTokenizer.from_pretrained(staging)
         model.save_pretrained(staging)

@@ -25,20 +25,21 @@ from .text_io import iter_lines
 
 FAIRSEQ_SPECIALS = ("<s>", "<pad>", "</s>", "<unk>")
 
-# The architectures of the published WMT models (Ott et al. 2018; Vaswani et al. 2017 as fairseq names them)
-# and of fairseq's own transformer presets, with the sizes each preset fills in when `args` omit them.
-SUPPORTED_ARCHITECTURES: dict[str, dict[str, Any]] = {
-    "transformer": {"encoder_attention_heads": 8, "decoder_attention_heads": 8, "dropout": 0.1},
-    "transformer_wmt_en_de": {"encoder_attention_heads": 8, "decoder_attention_heads": 8, "dropout": 0.1},
-    "transformer_vaswani_wmt_en_de_big": {
+# What the checkpoint's settings omit, by architecture: the heads of fairseq's transformer presets (the only
+# setting the weights cannot tell) and the t2t preset's pre-LN. Whether a checkpoint converts is decided by its settings and weights (see
+# convert.py), never by this table: an architecture not named here converts when its settings record the heads.
+ARCHITECTURE_DEFAULTS: dict[str, dict[str, Any]] = {
+    "transformer": {"encoder_attention_heads": 8, "decoder_attention_heads": 8},
+    "transformer_iwslt_de_en": {"encoder_attention_heads": 4, "decoder_attention_heads": 4},
+    "transformer_wmt_en_de": {"encoder_attention_heads": 8, "decoder_attention_heads": 8},
+    "transformer_vaswani_wmt_en_de_big": {"encoder_attention_heads": 16, "decoder_attention_heads": 16},
+    "transformer_vaswani_wmt_en_fr_big": {"encoder_attention_heads": 16, "decoder_attention_heads": 16},
+    "transformer_wmt_en_de_big": {"encoder_attention_heads": 16, "decoder_attention_heads": 16},
+    "transformer_wmt_en_de_big_t2t": {
         "encoder_attention_heads": 16,
         "decoder_attention_heads": 16,
-        "dropout": 0.3,
-    },
-    "transformer_vaswani_wmt_en_fr_big": {
-        "encoder_attention_heads": 16,
-        "decoder_attention_heads": 16,
-        "dropout": 0.1,
+        "encoder_normalize_before": True,  # pre-LN: refused unless the settings say otherwise
+        "decoder_normalize_before": True,
     },
 }
 
@@ -93,26 +94,31 @@ def _allowed_globals() -> list:
 
 def checkpoint_settings(checkpoint: dict[str, Any], path: str | os.PathLike = "checkpoint") -> dict[str, Any]:
     """The model and task settings as one flat dict, from `args` (Namespace) or `cfg` (dict of sections),
-    with `arch` filled in and checked against `SUPPORTED_ARCHITECTURES`."""
+    with `arch` filled in and the heads from `ARCHITECTURE_DEFAULTS` where the settings omit them."""
     args = checkpoint.get("args")
     cfg = checkpoint.get("cfg")
     if isinstance(args, argparse.Namespace):
         settings = dict(vars(args))
     elif isinstance(cfg, dict) and isinstance(cfg.get("model"), (dict, argparse.Namespace)):
         model = cfg["model"]
-        settings = {**(cfg.get("task") or {}), **(vars(model) if isinstance(model, argparse.Namespace) else model)}
+        model = vars(model) if isinstance(model, argparse.Namespace) else model
+        task = cfg.get("task") or {}
+        # a model section's None (fairseq 0.12 copies source_lang=None into it) does not hide the task's value
+        settings = {**task, **{key: value for key, value in model.items() if value is not None or key not in task}}
         settings.setdefault("arch", settings.get("_name"))
     else:
         raise CheckpointError(
             f"{path}: has neither fairseq 'args' (argparse.Namespace) nor 'cfg' with a 'model' section"
         )
     arch = settings.get("arch")
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise CheckpointError(
-            f"{path}: architecture {arch!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)} "
-            "(post-LN Transformers with sinusoidal positions, which vaswani_tx represents exactly)"
-        )
-    return {**SUPPORTED_ARCHITECTURES[arch], **settings}
+    settings = {**ARCHITECTURE_DEFAULTS.get(arch, {}), **settings}
+    for field in ("encoder_attention_heads", "decoder_attention_heads"):
+        if settings.get(field) is None:
+            raise CheckpointError(
+                f"{path}: architecture {arch!r} records no {field} and has no known default; "
+                f"known: {', '.join(ARCHITECTURE_DEFAULTS)}"
+            )
+    return settings
 
 
 def read_dictionary(path: str | os.PathLike) -> list[str]:
@@ -139,4 +145,4 @@ def _first_line(err: BaseException) -> str:
     return (useful or lines or [type(err).__name__])[0]
 
 
-__all__ = ["CheckpointError", "SUPPORTED_ARCHITECTURES", "checkpoint_settings", "load_checkpoint", "read_dictionary"]
+__all__ = ["CheckpointError", "ARCHITECTURE_DEFAULTS", "checkpoint_settings", "load_checkpoint", "read_dictionary"]

@@ -43,13 +43,15 @@ class SourceLengthCap(LogitsProcessor):
     """Per-sentence maximum output length: "input length + 50" (Section 6.1), not one global maximum.
 
     `max_tokens` (B,) holds each source's limit in output tokens, end-of-sentence included; at the
-    last allowed position only `eos_token_id` remains possible. Rows of beams or of several returned
-    sequences per source are matched to their source by position (they are laid out source-major).
+    last allowed position only `eos_token_id` remains possible, with log-probability 0 or, with
+    `score_forced_eos` (fairseq's way), its own. Rows of beams or of several returned sequences per
+    source are matched to their source by position (they are laid out source-major).
     """
 
-    def __init__(self, max_tokens: torch.Tensor, eos_token_id: int):
+    def __init__(self, max_tokens: torch.Tensor, eos_token_id: int, score_forced_eos: bool = False):
         self.max_tokens = max_tokens
         self.eos_token_id = eos_token_id
+        self.score_forced_eos = score_forced_eos
         self.prompt_length: int | None = None
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
@@ -59,7 +61,7 @@ class SourceLengthCap(LogitsProcessor):
         limits = self.max_tokens.to(scores.device).repeat_interleave(input_ids.shape[0] // self.max_tokens.numel())
         at_limit = (generated + 1 >= limits)[:, None]  # the next token is the last one allowed
         only_eos = torch.full_like(scores, -float("inf"))
-        only_eos[:, self.eos_token_id] = 0.0
+        only_eos[:, self.eos_token_id] = scores[:, self.eos_token_id] if self.score_forced_eos else 0.0
         return torch.where(at_limit, only_eos, scores)
 
 
@@ -79,10 +81,36 @@ def paper_generation_config(config) -> GenerationConfig:
     )
 
 
+def fairseq_generation_config(config, beam: int = 5, max_len_a: float = 0.0, max_len_b: int = 200) -> GenerationConfig:
+    """fairseq-generate's decoding (fairseq 0.12 `SequenceGenerator` defaults): beam 5, scores divided by
+    length^1 (eos counted), a sentence done once `beam` hypotheses have ended (early stopping), `</s>` not
+    allowed first (`min_len=1`), `<pad>` never, and at most `max_len_a * source length + max_len_b` tokens
+    (source `</s>` counted, capped at `max_position_embeddings - 1`) before `</s>` is forced and scored with
+    its own log-probability."""
+    return GenerationConfig(
+        num_beams=beam,
+        length_penalty=1.0,
+        length_penalty_type="hf",
+        max_output_length_offset=None,
+        max_len_a=max_len_a,
+        max_len_b=max_len_b,
+        early_stopping=True,
+        min_new_tokens=1,
+        suppress_tokens=[config.pad_token_id],
+        bos_token_id=config.bos_token_id,
+        eos_token_id=config.eos_token_id,
+        pad_token_id=config.pad_token_id,
+        decoder_start_token_id=config.decoder_start_token_id,
+    )
+
+
 class VaswaniGenerationMixin(GenerationMixin):
     """`GenerationMixin` with the two Section 6.1 settings it lacks, read from the generation config
     or passed to `generate()`: `length_penalty_type` ("gnmt", the paper's, or "hf") and
-    `max_output_length_offset` (each source's length plus this many tokens; None: no such cap)."""
+    `max_output_length_offset` (each source's length plus this many tokens; None: no such cap). Or, for
+    converted fairseq models, fairseq's cap: `max_len_b` (not None) and `max_len_a` give each source at most
+    `int(max_len_a * source length + max_len_b)` tokens before a forced `</s>` scored with its own
+    log-probability (see `fairseq_generation_config`); it replaces `max_output_length_offset`."""
 
     @torch.no_grad()
     def generate(
@@ -96,7 +124,13 @@ class VaswaniGenerationMixin(GenerationMixin):
         Passing `max_length` or `max_new_tokens` replaces the latter with that global limit."""
         config = generation_config if generation_config is not None else self.generation_config
         penalty_type = kwargs.pop("length_penalty_type", getattr(config, "length_penalty_type", "hf"))
+        offset_given = kwargs.get("max_output_length_offset") is not None
+        cap_given = kwargs.get("max_len_b") is not None
         offset = kwargs.pop("max_output_length_offset", getattr(config, "max_output_length_offset", None))
+        max_len_a = kwargs.pop("max_len_a", getattr(config, "max_len_a", None))
+        max_len_b = kwargs.pop("max_len_b", getattr(config, "max_len_b", None))
+        if offset_given and not cap_given:  # a caller's offset replaces the config's fairseq cap
+            max_len_b = None
         if penalty_type not in ("gnmt", "hf"):
             raise ValueError(
                 f"length_penalty_type={penalty_type!r} is not allowed; choose 'gnmt' (the paper's) or 'hf'."
@@ -113,14 +147,19 @@ class VaswaniGenerationMixin(GenerationMixin):
         source_lengths = self._source_lengths(
             inputs if inputs is not None else kwargs.get("input_ids"), kwargs.get("attention_mask")
         )
-        if offset is not None and not explicit_limit and source_lengths is not None:
-            limits = source_lengths + int(offset)  # (B,)
+        fairseq_cap = max_len_b is not None
+        if (offset is not None or fairseq_cap) and not explicit_limit and source_lengths is not None:
+            if fairseq_cap:  # fairseq's max_len, then one more step for the forced </s>
+                tokens = (float(max_len_a or 0.0) * source_lengths.double() + int(max_len_b)).long()
+                limits = tokens.clamp(max=self.config.max_position_embeddings - 1) + 1
+            else:
+                limits = source_lengths + int(offset)  # (B,)
             # As max_length (decoder prefix + longest cap), not max_new_tokens: a saved generation config
             # that carries a max_length (Seq2SeqTrainer's evaluation writes its defaults into the model's)
             # would otherwise clash with it and make generate() warn.
             prefix = kwargs["decoder_input_ids"].shape[1] if kwargs.get("decoder_input_ids") is not None else 1
             kwargs["max_length"] = prefix + int(limits.max())
-            cap = SourceLengthCap(limits, self.config.eos_token_id)
+            cap = SourceLengthCap(limits, self.config.eos_token_id, score_forced_eos=fairseq_cap)
             logits_processor = LogitsProcessorList([*(logits_processor or []), cap])
         return super().generate(
             inputs, generation_config=generation_config, logits_processor=logits_processor, **kwargs
