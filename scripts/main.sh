@@ -13,8 +13,7 @@ RUN=runs/multi30k-en-de                      # output_dir of $CONFIG
 DATA=../shared/data/multi30k-en-de
 VX=.venv/bin/vaswani-tx
 
-$VX train "$CONFIG" --resume "$@"
-$VX average-checkpoints "$RUN" --last 5 --output-dir "$RUN/averaged"   # average_last in $CONFIG
+$VX train "$CONFIG" --resume "$@"   # ends by averaging the last 5 checkpoints into $RUN/averaged (average_last)
 echo "== val (all $(wc -l < "$DATA/val.en") sentences), averaged model, beam 4:"
 $VX evaluate "$RUN/averaged" --source "$DATA/val.en" --reference "$DATA/val.de" --output-dir "$RUN/averaged"
 echo "== a few sentences:"

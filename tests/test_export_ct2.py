@@ -85,4 +85,4 @@ def test_export_command(tiny_translator, tmp_path, capsys):
     assert cli_main(["export-ct2", str(folder), str(tmp_path / "int8")]) == 2
     assert "exists and is not empty" in capsys.readouterr().err
     assert cli_main(["export-ct2", str(tmp_path / "nothing"), str(tmp_path / "x")]) == 2
-    assert "is not a saved model folder" in capsys.readouterr().err
+    assert "does not exist" in capsys.readouterr().err

@@ -295,8 +295,46 @@ def average_checkpoints(checkpoints: Sequence[str | os.PathLike], output_dir: st
     return output_dir
 
 
+def complete_checkpoints(run_dir: str | os.PathLike, warn: Callable[[str], Any] = logger.warning) -> list[Path]:
+    """The run's checkpoint folders whose model is complete (config and weights), oldest first. One left
+    incomplete by a run killed while saving it is skipped, as ``train --resume`` skips it, and ``warn``
+    is called with a line that says so."""
+    complete = []
+    for folder in checkpoint_folders(run_dir):
+        try:
+            check_checkpoint(folder, for_resume=False)
+            complete.append(folder)
+        except CheckpointError as err:
+            warn(f"skipping {folder.name}: {err}")
+    return complete
+
+
+def average_last_checkpoints(
+    run_dir: str | os.PathLike,
+    last: int,
+    output_dir: str | os.PathLike | None = None,
+    warn: Callable[[str], Any] = logger.warning,
+) -> tuple[Path, list[Path]]:
+    """Average a run's last ``last`` complete checkpoints (Section 6.1: 5 for base models, 20 for big) into
+    ``output_dir`` (default ``run_dir/averaged``); returns that folder and the checkpoints averaged (fewer
+    than ``last`` when the run has fewer). Incomplete checkpoints are skipped (see `complete_checkpoints`).
+
+    Raises:
+        CheckpointError: ``run_dir`` holds no complete checkpoint, or the checkpoints cannot be averaged.
+    """
+    if last < 1:
+        raise CheckpointError(f"the number of checkpoints to average must be >= 1, got {last}")
+    chosen = complete_checkpoints(run_dir, warn)[-last:]
+    if not chosen:
+        raise CheckpointError(f"{run_dir} holds no complete checkpoint-<step> folder")
+    output_dir = Path(run_dir) / "averaged" if output_dir is None else Path(output_dir)
+    return average_checkpoints(chosen, output_dir), chosen
+
+
 __all__ = [
     "CheckpointError",
+    "complete_checkpoints",
+    "average_last_checkpoints",
     "check_safetensors",
     "checkpoint_folders",
     "check_checkpoint",

@@ -43,6 +43,9 @@ class VaswaniConfig(PreTrainedConfig):
         pad_token_id, bos_token_id, eos_token_id, decoder_start_token_id: special ids of the shared vocabulary
             (the package's tokenizers use `<pad>`=0, `<unk>`=1, `<s>`=2, `</s>`=3; the decoder starts from `<s>`);
             with separate vocabularies, ids of the target vocabulary.
+        tokenizer_fingerprint: `vaswani_tx.tokenization.vocabulary_fingerprint` of the tokenizer the model was
+            trained or converted with (written by `train()` and `vaswani-tx convert`), so that loading it with
+            another model's tokenizer of the same size is refused; `None` checks sizes and special ids only.
 
     Computation, not maths:
         skip_padding: compute the position-wise maps only where a result depends on them (real source
@@ -98,6 +101,7 @@ class VaswaniConfig(PreTrainedConfig):
     bos_token_id: int | None = 2
     eos_token_id: int | None = 3
     decoder_start_token_id: int | None = 2
+    tokenizer_fingerprint: str | None = None
     attention_bias: bool = False
     activation_function: str = "relu"
     final_logits_bias: bool = False

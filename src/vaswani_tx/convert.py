@@ -40,6 +40,7 @@ from .fairseq_checkpoint import CheckpointError, checkpoint_settings, load_check
 from .generation_vaswani import fairseq_generation_config
 from .modeling_vaswani import VaswaniForConditionalGeneration
 from .text_io import iter_lines
+from .tokenization import vocabulary_fingerprint
 from .tokenization_fairseq import FairseqTokenizer
 
 
@@ -526,6 +527,7 @@ def convert(source: str | os.PathLike, out: str | os.PathLike) -> Path:
             (FairseqTokenizer if kind == "fsmt" else AutoTokenizer).from_pretrained(path).save_pretrained(staging)
         model.generation_config = _generation_config(model, generation)
         tokenizer = AutoTokenizer.from_pretrained(staging)
+        model.config.tokenizer_fingerprint = vocabulary_fingerprint(tokenizer)  # refuses another model's tokenizer
         model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
         out.mkdir(parents=True, exist_ok=True)

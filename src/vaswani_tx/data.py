@@ -43,6 +43,10 @@ from torch.utils.data import Sampler
 
 from vaswani_tx.text_io import CorpusError, iter_lines  # callers import both from here too
 
+# Beside a `vaswani-tx prepare-data` output: the tokenizer folder it was encoded with and that tokenizer's
+# `vocabulary_fingerprint`, which `train` compares with its own tokenizer's.
+PREPARED_DATA_RECORD = "vaswani_data.json"
+
 logger = logging.getLogger(__name__)
 
 WMT14_HUB_PATH = "wmt/wmt14"

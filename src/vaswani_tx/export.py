@@ -152,15 +152,20 @@ def export_ct2(
 
     from .modeling_vaswani import VaswaniForConditionalGeneration
     from .tokenization import check_tokenizer_fits_model, load_tokenizer
+    from .translation import check_model_folder
 
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     if quantization is not None and quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization={quantization!r} is not allowed; choose one of {', '.join(QUANTIZATIONS)}.")
-    if not (model_dir / "config.json").is_file():
-        raise FileNotFoundError(f"{model_dir} is not a saved model folder (no config.json).")
+    check_model_folder(model_dir)  # a MarianMT or FSMT folder is refused, naming `vaswani-tx convert`
     if out_dir.exists() and any(out_dir.iterdir()) and not force:
         raise FileExistsError(f"{out_dir} exists and is not empty; pass force=True (--force) to overwrite it.")
-    tokenizer = load_tokenizer(model_dir)
+    try:
+        tokenizer = load_tokenizer(model_dir)
+    except FileNotFoundError:
+        raise
+    except Exception as err:  # the tokenizers library raises a bare Exception for a garbage tokenizer.json
+        raise ValueError(f"{model_dir} holds no tokenizer that AutoTokenizer can load ({err})") from None
     model = VaswaniForConditionalGeneration.from_pretrained(model_dir).float().eval()
     try:
         check_tokenizer_fits_model(tokenizer, model.config)

@@ -285,7 +285,6 @@ def run_recipe(
     ``test.gold`` and ``test.parsed`` (one normalised tree per line) and ``parse_scores.json``.
     Under several processes every process trains and process 0 alone parses and scores.
     """
-    from vaswani_tx.checkpoints import average_checkpoints, checkpoint_folders
     from vaswani_tx.recipe import load_run_config, train
 
     recipe, arguments = load_run_config(config, overrides)
@@ -308,10 +307,7 @@ def run_recipe(
     metrics = train(recipe, arguments, resume=resume)
     if arguments.process_index != 0:
         return metrics
-    model_dir = Path(arguments.output_dir)
-    checkpoints = checkpoint_folders(model_dir)
-    if recipe.average_last > 1 and len(checkpoints) >= 2:
-        model_dir = average_checkpoints(checkpoints[-recipe.average_last :], model_dir / "averaged")
+    model_dir = Path(metrics.get("averaged", arguments.output_dir))  # train() averaged the last checkpoints
     started = time.monotonic()
     predicted = parse(model_dir, [tree.words() for tree in test], num_beams=num_beams)
     parse_seconds = round(time.monotonic() - started, 1)

@@ -32,13 +32,22 @@ from vaswani_tx import data
 from vaswani_tx.checkpoints import (
     SamplerStateCallback,
     TimedCheckpointCallback,
+    average_last_checkpoints,
     check_sampler_state,
+    checkpoint_folders,
+    complete_checkpoints,
     resume_checkpoint,
 )
 from vaswani_tx.evaluation import make_compute_metrics
+from vaswani_tx.folders import RunLock, check_writable, folder_kind
 from vaswani_tx.modeling_vaswani import VaswaniForConditionalGeneration
 from vaswani_tx.params import load_model_config
-from vaswani_tx.tokenization import check_tokenizer_fits_model, load_tokenizer, train_tokenizer
+from vaswani_tx.tokenization import (
+    check_tokenizer_fits_model,
+    load_tokenizer,
+    train_tokenizer,
+    vocabulary_fingerprint,
+)
 from vaswani_tx.training import VaswaniTrainer
 
 logger = logging.getLogger(__name__)
@@ -60,7 +69,8 @@ class RecipeConfig:
     dev_target: str
     train_source: str | None = None  # line-aligned training files ...
     train_target: str | None = None
-    wmt14: str | None = None  # ... or "en-de" / "en-fr": WMT14 from the Hugging Face Hub
+    wmt14: str | None = None  # ... or "en-de" / "en-fr": WMT14 from the Hugging Face Hub ...
+    train_dataset: str | None = None  # ... or a `vaswani-tx prepare-data` output folder (encoded with `tokenizer`)
     source_lang: str = "en"
     target_lang: str = "de"
     tokenizer_kind: str = "bpe"  # used only when the tokenizer is trained here
@@ -72,7 +82,7 @@ class RecipeConfig:
     dev_max_pairs: int | None = None  # evaluate during training on the first N dev pairs only
     max_words: int | None = 250  # cleaning of the training pairs (vaswani_tx.data.clean_pairs)
     max_length_ratio: float | None = 3.0
-    average_last: int = 5  # checkpoints to average at the end (Section 6: 5 base, 20 big)
+    average_last: int = 5  # checkpoints `train` averages into output_dir/averaged (Section 6.1: 5 base, 20 big)
     generation: dict[str, Any] | None = None  # decoding defaults saved in the model's generation_config
 
 
@@ -81,6 +91,84 @@ RECIPE_FIELDS = tuple(f.name for f in fields(RecipeConfig))
 
 class ConfigError(ValueError):
     """A run config that cannot be used; the message names the key or path."""
+
+
+# numbers of the recipe and of Seq2SeqTrainingArguments checked before any work: (kind, smallest allowed value,
+# whether 0 is excluded); None is always allowed where the field's default is None
+_RECIPE_NUMBERS = {
+    "tokenizer_vocab_size": (int, 1),
+    "max_tokens": (int, 1),
+    "eval_max_tokens": (int, 1),
+    "tokens_per_step": (int, 1),
+    "save_minutes": (float, 0, True),
+    "dev_max_pairs": (int, 1),
+    "max_words": (int, 1),
+    "max_length_ratio": (float, 0, True),
+    "average_last": (int, 0),
+}
+_ARGUMENT_RANGES = {
+    "learning_rate": (0, True),
+    "num_train_epochs": (0, True),
+    "gradient_accumulation_steps": (1,),
+    "per_device_train_batch_size": (1,),
+    "per_device_eval_batch_size": (1,),
+    "warmup_steps": (0,),
+    "logging_steps": (0, True),
+    "save_steps": (0, True),
+    "eval_steps": (0, True),
+    "save_total_limit": (1,),
+    "weight_decay": (0,),
+    "label_smoothing_factor": (0,),
+    "max_grad_norm": (0,),
+}
+
+
+def _number(key: str, value: Any, kind: type, path: Path) -> int | float:
+    """`value` as a number of `kind` (a YAML string such as "1e-3" included), or a ConfigError naming key and value."""
+    number = value
+    if isinstance(value, str):
+        try:
+            number = float(value) if kind is float or not value.strip().lstrip("+-").isdigit() else int(value)
+        except ValueError:
+            number = None
+    if isinstance(number, bool) or not isinstance(number, (int, float)) or not math.isfinite(number):
+        raise ConfigError(f"{path}: {key}={value!r} is not a number")
+    if kind is int and not float(number).is_integer():
+        raise ConfigError(f"{path}: {key}={value!r} is not a whole number")
+    return int(number) if kind is int else number
+
+
+def _check_range(key: str, number: int | float, rule: tuple, path: Path) -> None:
+    least, exclusive = rule[0], len(rule) > 1 and rule[1]
+    if number < least or (exclusive and number == least):
+        raise ConfigError(f"{path}: {key}={number!r} must be {'>' if exclusive else '>='} {least}")
+
+
+def _check_numbers(values: dict[str, Any], path: Path) -> None:
+    """Refuse a number field holding text or a value out of range, naming the field and the value (in place:
+    numbers written as YAML strings such as "1e-3" become numbers)."""
+    for key, (kind, *rule) in _RECIPE_NUMBERS.items():
+        if values.get(key) is not None:
+            values[key] = _number(key, values[key], kind, path)
+            _check_range(key, values[key], tuple(rule), path)
+    for field in fields(Seq2SeqTrainingArguments):
+        default = field.default
+        if field.name not in values or values[field.name] is None:
+            continue
+        if field.name not in _ARGUMENT_RANGES and (isinstance(default, bool) or not isinstance(default, (int, float))):
+            continue
+        kind = float if isinstance(default, float) else int if isinstance(default, int) else float
+        if field.name in ("logging_steps", "save_steps", "eval_steps", "warmup_steps"):
+            kind = float  # a whole number of steps or, below 1, a fraction of the run
+        number = _number(field.name, values[field.name], kind, path)
+        if kind is float and float(number).is_integer() and not isinstance(default, float):
+            number = int(number)
+        values[field.name] = number
+        if field.name in _ARGUMENT_RANGES:
+            _check_range(field.name, number, _ARGUMENT_RANGES[field.name], path)
+    max_steps = values.get("max_steps")
+    if max_steps is not None and max_steps != -1 and max_steps <= 0:
+        raise ConfigError(f"{path}: max_steps={max_steps!r} must be > 0 (or -1: train num_train_epochs epochs)")
 
 
 def parse_overrides(overrides: Sequence[str]) -> dict[str, Any]:
@@ -125,13 +213,17 @@ def load_run_config(
                 f"unknown key {key!r} in {path}: no Seq2SeqTrainingArguments field and no recipe field "
                 f"({', '.join(RECIPE_FIELDS)}) has that name{hint}"
             )
+    _check_numbers(values, path)
     recipe_values = {k: v for k, v in values.items() if k in RECIPE_FIELDS}
     for required in ("model_config", "tokenizer", "dev_source", "dev_target"):
         if recipe_values.get(required) is None:
             raise ConfigError(f"run config {path} needs {required!r}")
     recipe = RecipeConfig(**recipe_values)
-    if bool(recipe.train_source) == bool(recipe.wmt14) or bool(recipe.train_source) != bool(recipe.train_target):
-        raise ConfigError(f"run config {path}: give train_source with train_target, or wmt14 (one of the two)")
+    given = [bool(recipe.train_source), bool(recipe.wmt14), bool(recipe.train_dataset)]
+    if sum(given) != 1 or bool(recipe.train_source) != bool(recipe.train_target):
+        raise ConfigError(
+            f"run config {path}: give train_source with train_target, wmt14, or train_dataset (one of the three)"
+        )
     if recipe.max_tokens <= 0:
         raise ConfigError(f"max_tokens must be > 0, got {recipe.max_tokens}")
     if recipe.generation is not None and not isinstance(recipe.generation, dict):
@@ -168,8 +260,10 @@ def load_run_config(
 
 
 def _check_paths(recipe: RecipeConfig) -> None:
-    keys = ["model_config", "dev_source", "dev_target"] + (
-        ["train_source", "train_target"] if recipe.train_source else []
+    keys = (
+        ["model_config", "dev_source", "dev_target"]
+        + (["train_source", "train_target"] if recipe.train_source else [])
+        + (["train_dataset"] if recipe.train_dataset else [])
     )
     for key in keys:
         value = getattr(recipe, key)
@@ -185,6 +279,11 @@ def _prepare_tokenizer(recipe: RecipeConfig, config, arguments: Seq2SeqTrainingA
                 raise ConfigError(
                     f"tokenizer {folder} does not exist: create it first with `vaswani-tx train-tokenizer --wmt14 ...`"
                 )
+            if recipe.train_dataset:
+                raise ConfigError(
+                    f"tokenizer {folder} does not exist: give the tokenizer {recipe.train_dataset} was encoded with "
+                    "(`vaswani-tx prepare-data --tokenizer`)"
+                )
             vocab_size = recipe.tokenizer_vocab_size or config.vocab_size
             logger.info(
                 "training a %s vocabulary of %d on %s and %s",
@@ -199,19 +298,64 @@ def _prepare_tokenizer(recipe: RecipeConfig, config, arguments: Seq2SeqTrainingA
             tokenizer.save_pretrained(folder)
         tokenizer = load_tokenizer(folder)
     check_tokenizer_fits_model(tokenizer, config)
+    config.tokenizer_fingerprint = vocabulary_fingerprint(tokenizer)  # saved with every checkpoint
     return tokenizer
+
+
+def _load_prepared(folder: str, tokenizer):
+    """A `vaswani-tx prepare-data` output folder (cleaned and encoded already), checked against the tokenizer:
+    the one it was encoded with (its `vaswani_data.json`), or at least one whose ids cover it."""
+    import datasets
+
+    try:
+        dataset = datasets.load_from_disk(folder)
+    except (FileNotFoundError, ValueError) as err:
+        raise ConfigError(
+            f"train_dataset: {folder} is not a `vaswani-tx prepare-data` output folder ({err})"
+        ) from None
+    missing = {"input_ids", "labels"} - set(getattr(dataset, "column_names", ()))
+    if not isinstance(dataset, datasets.Dataset) or missing:
+        raise ConfigError(f"train_dataset: {folder} has no {', '.join(sorted(missing)) or 'single dataset'}")
+    if dataset.num_rows == 0:
+        raise ConfigError(f"train_dataset: {folder} holds no pairs")
+    import pyarrow.compute as pc
+
+    largest = max(
+        pc.max(pc.list_flatten(dataset.data.column(column))).as_py() or 0 for column in ("input_ids", "labels")
+    )
+    if largest >= len(tokenizer):
+        raise ConfigError(
+            f"train_dataset: {folder} holds token id {largest}, beyond the tokenizer's {len(tokenizer)} tokens: "
+            "it was encoded with another tokenizer"
+        )
+    record = Path(folder) / data.PREPARED_DATA_RECORD
+    if record.is_file():
+        encoded_with = json.loads(record.read_text(encoding="utf-8"))
+        if encoded_with.get("tokenizer_fingerprint") != vocabulary_fingerprint(tokenizer):
+            raise ConfigError(
+                f"train_dataset: {folder} was encoded with the tokenizer {encoded_with.get('tokenizer')} "
+                f"({encoded_with.get('tokenizer_fingerprint')}), not with this run's tokenizer "
+                f"({vocabulary_fingerprint(tokenizer)}): give that tokenizer, or prepare the data again with this one"
+            )
+    logger.info("training pairs: %d from %s (prepared by `vaswani-tx prepare-data`)", dataset.num_rows, folder)
+    return dataset
 
 
 def _prepare_data(recipe: RecipeConfig, tokenizer, arguments: Seq2SeqTrainingArguments):
     with arguments.main_process_first(desc="data"):
-        if recipe.wmt14:
-            source_lang, _, target_lang = recipe.wmt14.partition("-")
-            pairs = data.load_wmt14(source_lang, target_lang, "train")
+        if recipe.train_dataset:
+            train = _load_prepared(recipe.train_dataset, tokenizer)
         else:
-            pairs = data.read_parallel_files(recipe.train_source, recipe.train_target)
-        pairs, report = data.clean_pairs(pairs, max_words=recipe.max_words, max_length_ratio=recipe.max_length_ratio)
-        logger.info("training pairs:\n%s", report)
-        train = data.tokenize_pairs(pairs, tokenizer)
+            if recipe.wmt14:
+                source_lang, _, target_lang = recipe.wmt14.partition("-")
+                pairs = data.load_wmt14(source_lang, target_lang, "train")
+            else:
+                pairs = data.read_parallel_files(recipe.train_source, recipe.train_target)
+            pairs, report = data.clean_pairs(
+                pairs, max_words=recipe.max_words, max_length_ratio=recipe.max_length_ratio
+            )
+            logger.info("training pairs:\n%s", report)
+            train = data.tokenize_pairs(pairs, tokenizer)
         dev = data.tokenize_pairs(data.read_parallel_files(recipe.dev_source, recipe.dev_target), tokenizer)
     if recipe.dev_max_pairs is not None:
         dev = dev.select(range(min(recipe.dev_max_pairs, dev.num_rows)))
@@ -233,9 +377,39 @@ def train(recipe: RecipeConfig, arguments: Seq2SeqTrainingArguments, resume: boo
     """Run a recipe: tokenizer, data, model, :class:`VaswaniTrainer`; returns the final metrics.
 
     Writes to ``output_dir``: the checkpoints, the final model with its tokenizer, TensorBoard logs
-    (when ``report_to`` asks and TensorBoard is installed), ``log_history.json`` and ``curves.png``.
+    (when ``report_to`` asks and TensorBoard is installed), ``log_history.json`` and ``curves.png``; with
+    ``average_last`` > 1, the average of that many last complete checkpoints (Section 6.1; fewer when fewer
+    were written) in ``output_dir/averaged``, rewritten whenever `train` ends (a ``--resume`` of a finished
+    run included); the metrics give its path as ``averaged`` and the checkpoints as ``averaged_from``.
+
+    The main process holds ``output_dir``'s :class:`~vaswani_tx.folders.RunLock` throughout: a second run on
+    the same folder is refused (:class:`~vaswani_tx.folders.RunLockError`, naming the holder's PID).
     """
     _check_paths(recipe)
+    check_writable(arguments.output_dir)  # a read-only output_dir is found before any data is read
+    if arguments.process_index != 0:
+        return _train(recipe, arguments, resume)
+    with RunLock(arguments.output_dir) as lock:
+        if lock.took_over is not None:
+            logger.warning("took over the lock of a run that is gone: %s", lock.took_over)
+        metrics = _train(recipe, arguments, resume)
+        if recipe.average_last > 1 and complete_checkpoints(arguments.output_dir):
+            averaged, chosen = average_last_checkpoints(arguments.output_dir, recipe.average_last)
+            logger.info("averaged %s into %s (average_last, Section 6.1)", ", ".join(c.name for c in chosen), averaged)
+            metrics["averaged"], metrics["averaged_from"] = str(averaged), [c.name for c in chosen]
+        return metrics
+
+
+def _train(recipe: RecipeConfig, arguments: Seq2SeqTrainingArguments, resume: bool) -> dict[str, Any]:
+    kind = folder_kind(arguments.output_dir)
+    if Path(arguments.output_dir).resolve() == Path(recipe.tokenizer).resolve():
+        kind = None  # the run's own tokenizer, trained into output_dir by an earlier start of this run
+    if kind is not None and not checkpoint_folders(arguments.output_dir):
+        # a model, tokenizer or dataset folder, or a run finished without checkpoints: nothing to resume, all to lose
+        raise ConfigError(
+            f"output_dir {arguments.output_dir} already holds {kind} and no checkpoint to resume from; "
+            "give another output_dir"
+        )
     checkpoint = resume_checkpoint(arguments.output_dir, resume)
     config = load_model_config(recipe.model_config)
     tokenizer = _prepare_tokenizer(recipe, config, arguments)
@@ -358,7 +532,8 @@ def plot_curves(log_history: Sequence[dict[str, Any]], path: str | os.PathLike) 
             loss_axis.plot(steps, values, marker="o" if key == "eval_loss" else None, label=label)
     loss_axis.set_xlabel("optimizer step")
     loss_axis.set_ylabel("loss (nats per target token)")
-    loss_axis.legend()
+    if loss_axis.lines:  # a run too short to log a loss draws empty axes, without a legend of nothing
+        loss_axis.legend()
     loss_axis.grid(alpha=0.3)
     steps, values = series("eval_sacrebleu")
     bleu_axis.plot(steps, values, marker="o", color="tab:green")

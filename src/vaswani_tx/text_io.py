@@ -35,6 +35,8 @@ def decode_lines(lines: Iterable[bytes], name: str) -> Iterator[str]:
 
 def iter_lines(path: str | os.PathLike) -> Iterator[str]:
     """Lines of a UTF-8 text file, read as the module docstring says (streamed: any size fits)."""
+    if os.path.isdir(path):
+        raise CorpusError(f"{path} is a folder, not a text file")
     with open(path, "rb") as handle:
         yield from decode_lines(handle, str(path))
 

@@ -38,6 +38,7 @@ exact only for text whose characters it was trained on. WordPiece here marks wor
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from collections.abc import Iterable, Iterator, Sequence
@@ -226,6 +227,21 @@ def wrap_tokenizer(tokenizer: Tokenizer) -> PreTrainedTokenizerFast:
     )
 
 
+def vocabulary_fingerprint(tokenizer: Any) -> str:
+    """A short hash of the tokenizer's vocabulary (every token and its id; the target vocabulary too where a
+    tokenizer has its own, as Marian's and fairseq's do).
+
+    Two tokenizers of the same size trained on other text give other fingerprints, which the vocabulary size
+    alone cannot tell: a model trained with one and run with the other decodes garbage without an error.
+    `train()`, `vaswani-tx convert` and `prepare-data` record it (config's ``tokenizer_fingerprint``, the
+    prepared data's ``vaswani_data.json``) and `check_tokenizer_fits_model` compares it."""
+    digest = hashlib.sha256(json.dumps(sorted(tokenizer.get_vocab().items()), ensure_ascii=False).encode("utf-8"))
+    target = getattr(tokenizer, "target_encoder", None)
+    if target and target != tokenizer.get_vocab():
+        digest.update(json.dumps(sorted(target.items()), ensure_ascii=False).encode("utf-8"))
+    return "sha256:" + digest.hexdigest()[:16]
+
+
 def check_tokenizer_fits_model(tokenizer: Any, config: Any) -> None:
     """Refuse a tokenizer and a model config that were not made for each other.
 
@@ -242,7 +258,10 @@ def check_tokenizer_fits_model(tokenizer: Any, config: Any) -> None:
     * ``decoder_start_token_id``: ``<s>`` for a vocabulary with this module's fixed ids (the model
       shifts ``labels`` right behind it); a converted model keeps its source's start token, which
       must be one of the tokenizer's ``<s>``, ``</s>`` or ``<pad>`` (fairseq and FSMT start from
-      ``</s>``; Marian vocabularies have no ``<s>`` and start from ``<pad>``).
+      ``</s>``; Marian vocabularies have no ``<s>`` and start from ``<pad>``);
+    * ``tokenizer_fingerprint``, where the config records one (models trained by `train()` or converted):
+      the `vocabulary_fingerprint` of the tokenizer the model was made with, so that a tokenizer of
+      another model of the same size is refused too.
 
     Raises:
         ValueError: ``model config and tokenizer disagree; ...`` naming every field that differs,
@@ -279,6 +298,12 @@ def check_tokenizer_fits_model(tokenizer: Any, config: Any) -> None:
     elif not fixed and (start is None or start not in specials.values()):
         named = ", ".join(f"{name} {value}" for name, value in specials.items() if value is not None)
         clashes.append(f"decoder_start_token_id: config has {start}, which is none of the tokenizer's {named}")
+    recorded = getattr(config, "tokenizer_fingerprint", None)
+    if recorded and not clashes and recorded != vocabulary_fingerprint(tokenizer):
+        clashes.append(
+            f"tokenizer_fingerprint: config has {recorded}, tokenizer has {vocabulary_fingerprint(tokenizer)} "
+            "(a vocabulary of the same size but other tokens: the tokenizer of another model)"
+        )
     if clashes:
         raise ValueError("model config and tokenizer disagree; " + "; ".join(clashes))
 

@@ -73,7 +73,10 @@ def plan_batches(lengths: Sequence[int], max_tokens: int, max_sentences: int | N
     return batches
 
 
-def _check_model_folder(folder: Path) -> None:
+def check_model_folder(folder: Path) -> None:
+    """Refuse a folder that is not a loadable vaswani_tx model (missing, no config, another model type, no
+    or truncated weights), naming the problem; a model of another type names `vaswani-tx convert`."""
+    folder = Path(folder)
     if not folder.is_dir():
         raise FileNotFoundError(f"model folder {folder} does not exist")
     config_file = folder / "config.json"
@@ -105,9 +108,17 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     if device is None or str(device) == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
-        return torch.device(device)
+        resolved = torch.device(device)
     except RuntimeError as err:
         raise ValueError(f"unknown device {device!r} ({err})") from None
+    if resolved.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {device!r}: no CUDA GPU is available here; use --device cpu (or auto)")
+        if resolved.index is not None and resolved.index >= torch.cuda.device_count():
+            raise ValueError(f"device {device!r}: this machine has {torch.cuda.device_count()} CUDA GPU(s)")
+    if resolved.type == "mps" and not torch.backends.mps.is_available():
+        raise ValueError(f"device {device!r}: MPS is not available here; use --device cpu (or auto)")
+    return resolved
 
 
 def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
@@ -155,6 +166,8 @@ class Translator:
             generate_kwargs["length_penalty"] = length_penalty
         outputs = [""] * len(lines)
         todo = [i for i, line in enumerate(lines) if line.strip()]
+        if not todo:  # nothing but empty or blank lines: as many empty lines out
+            return outputs
         encoded = self.tokenizer([lines[i] for i in todo], add_special_tokens=True)["input_ids"]
         self._check_lengths(todo, encoded)
         batches = plan_batches([len(ids) for ids in encoded], max_tokens, batch_size)
@@ -209,7 +222,7 @@ def load_translator(
     from vaswani_tx.modeling_vaswani import VaswaniForConditionalGeneration
 
     folder = Path(folder)
-    _check_model_folder(folder)
+    check_model_folder(folder)
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder)
     except (OSError, ValueError, TypeError) as err:
@@ -260,6 +273,7 @@ def write_lines(lines: Iterable[str], path: str | os.PathLike | None) -> None:
 
 __all__ = [
     "Translator",
+    "check_model_folder",
     "load_translator",
     "one_line",
     "plan_batches",

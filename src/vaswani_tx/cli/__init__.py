@@ -37,10 +37,32 @@ def fail(command: str, message: object) -> int:
     return 2
 
 
+def add_output_dir_argument(parser: argparse.ArgumentParser, help: str) -> None:
+    """The output folder of a command that writes one: ``-o``/``--output-dir DIR`` as in every command, or a
+    second positional argument (``convert SRC OUT``, the older spelling); read it with `output_dir`."""
+    parser.add_argument("out", nargs="?", metavar="OUT", help=f"{help} (the same as -o)")
+    parser.add_argument("-o", "--output-dir", metavar="DIR", help=help)
+
+
+def output_dir(args: argparse.Namespace) -> str:
+    """The folder `add_output_dir_argument` parsed.
+
+    Raises:
+        ValueError: none given, or two different ones (OUT and -o)."""
+    given = {path for path in (args.out, args.output_dir) if path}
+    if len(given) != 1:
+        problem = "no output folder" if not given else f"two output folders ({args.out} and {args.output_dir})"
+        raise ValueError(f"{problem}: give one, as OUT or -o/--output-dir")
+    return given.pop()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="vaswani-tx",
         description="The Transformer of 'Attention Is All You Need' (Vaswani et al., 2017) on Hugging Face.",
+    )
+    parser.add_argument(
+        "--debug", action="store_true", help="show the Python traceback of an unexpected error (default: one line)"
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, (module_name, help_text) in COMMANDS.items():
@@ -63,7 +85,22 @@ def main(argv: list[str] | None = None) -> int:
         setattr(args, dest, [*getattr(args, dest), *extra])
     elif extra:  # as the command's own usage error: `vaswani-tx COMMAND: error: ...`, status 2
         args._parser.error(f"unrecognized arguments: {' '.join(extra)}")
-    return int(args._run(args) or 0)
+    try:
+        return int(args._run(args) or 0)
+    except KeyboardInterrupt:  # commands that save work say themselves what was saved
+        if args.debug:
+            raise
+        print(f"vaswani-tx {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as error:  # a case no check foresaw: one line, exit 1; --debug shows the traceback
+        if args.debug:
+            raise
+        print(
+            f"vaswani-tx {args.command}: error: unexpected {type(error).__name__}: {error} "
+            "(run `vaswani-tx --debug ...` for the traceback, and please report it)",
+            file=sys.stderr,
+        )
+        return 1
 
 
 if __name__ == "__main__":

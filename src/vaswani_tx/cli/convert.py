@@ -17,20 +17,25 @@ from __future__ import annotations
 
 import argparse
 
-from vaswani_tx.cli import fail
+from vaswani_tx.cli import add_output_dir_argument, fail, output_dir
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.add_argument("source", help="MarianMTModel or FSMT folder, or a fairseq checkpoint (file or its folder)")
-    parser.add_argument("out", help="output model folder")
+    add_output_dir_argument(parser, "output model folder (refused if it exists and is not empty)")
+    parser.add_argument("--force", action="store_true", help="write into a non-empty output folder")
 
 
 def run(args: argparse.Namespace) -> int:
-    from vaswani_tx.convert import convert
+    from vaswani_tx.folders import refuse_to_overwrite
 
     try:
-        out = convert(args.source, args.out)
+        out = output_dir(args)
+        refuse_to_overwrite(out, args.force)
+        from vaswani_tx.convert import convert
+
+        out = convert(args.source, out)
     except (ValueError, OSError) as err:  # ConversionError, CheckpointError, VaswaniConfig's checks, unreadable files
         return fail("convert", err)
     print(f"converted {args.source} -> {out}")

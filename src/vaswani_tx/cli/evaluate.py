@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 from vaswani_tx.cli import fail
-from vaswani_tx.cli.translate import add_decoding_arguments, decoding_options
+from vaswani_tx.cli.translate import add_decoding_arguments, check_decoding_arguments, decoding_options
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -57,6 +57,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="split hyphenated compounds as ##AT##-##AT## for tokenized BLEU (default: for German only)",
     )
     parser.add_argument(
+        "-o",
         "--output-dir",
         metavar="DIR",
         default="evaluation",
@@ -94,12 +95,19 @@ def _test_set(args: argparse.Namespace) -> tuple[str, str, list[str], list[list[
 
 def run(args: argparse.Namespace) -> int:
     from vaswani_tx.evaluation import score
+    from vaswani_tx.folders import check_writable
     from vaswani_tx.translation import load_translator, write_lines
 
+    problem = check_decoding_arguments(args)
+    if problem:
+        return fail("evaluate", problem)
     try:
+        check_writable(args.output_dir)  # before any decoding: an unwritable folder would lose it all
         name, target_lang, sources, references = _test_set(args)
         if not sources:
             raise ValueError("the test set is empty")
+        if not any(line.strip() for line in sources):
+            raise ValueError(f"the test set's {len(sources)} source lines are all blank: nothing to translate")
         translator = load_translator(args.model, device=args.device, dtype=args.dtype, int8=args.int8)
         start = time.perf_counter()
         hypotheses = translator.translate(sources, **decoding_options(args))

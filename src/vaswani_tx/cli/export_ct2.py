@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import argparse
 
-from vaswani_tx.cli import fail
+from vaswani_tx.cli import add_output_dir_argument, fail, output_dir
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -21,7 +21,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.add_argument("model", help="saved model folder (config.json, weights, tokenizer.json)")
-    parser.add_argument("out", help="folder to write the CTranslate2 model to")
+    add_output_dir_argument(parser, "folder to write the CTranslate2 model to (refused if it exists and is not empty)")
     parser.add_argument(
         "--quantization",
         choices=QUANTIZATIONS,
@@ -33,9 +33,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     try:
+        out = output_dir(args)
         from vaswani_tx.export import export_ct2
 
-        out = export_ct2(args.model, args.out, quantization=args.quantization, force=args.force)
+        out = export_ct2(args.model, out, quantization=args.quantization, force=args.force)
     except (ImportError, ValueError, OSError) as error:  # no ctranslate2; a missing, refused or unwritable folder
         return fail("export-ct2", error)
     print(f"wrote CTranslate2 model to {out}" + (f" ({args.quantization})" if args.quantization else ""))

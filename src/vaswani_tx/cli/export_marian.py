@@ -12,20 +12,40 @@ from __future__ import annotations
 
 import argparse
 
-from vaswani_tx.cli import fail
+from vaswani_tx.cli import add_output_dir_argument, fail, output_dir
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.add_argument("model", help="a vaswani_tx model folder")
-    parser.add_argument("out", help="output MarianMTModel folder")
+    add_output_dir_argument(parser, "output MarianMTModel folder (refused if it exists and is not empty)")
+    parser.add_argument("--force", action="store_true", help="write into a non-empty output folder")
+
+
+def _remove_our_code_files(folder) -> None:
+    """A Marian folder written over one of ours (--force) keeps none of our model code files beside it."""
+    from pathlib import Path
+
+    import vaswani_tx
+
+    package = Path(vaswani_tx.__file__).parent
+    for path in Path(folder).glob("*.py"):
+        if (package / path.name).is_file():
+            path.unlink()
 
 
 def run(args: argparse.Namespace) -> int:
-    from vaswani_tx.convert import export_marian
+    from vaswani_tx.folders import refuse_to_overwrite
 
     try:
-        out = export_marian(args.model, args.out)
+        out = output_dir(args)
+        refuse_to_overwrite(out, args.force)
+        from vaswani_tx.convert import export_marian
+        from vaswani_tx.translation import check_model_folder
+
+        check_model_folder(args.model)  # another model type names `vaswani-tx convert`; truncated weights
+        out = export_marian(args.model, out)
+        _remove_our_code_files(out)
     except (ValueError, OSError) as err:
         return fail("export-marian", err)
     print(f"exported {args.model} -> {out} (MarianMTModel)")

@@ -62,7 +62,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     source.add_argument(
         "--trees", nargs="+", metavar="TREES", help="treebank files or globs: parse their sentences and score"
     )
-    predict.add_argument("--output", help="write the trees here, one per line (default: print them)")
+    predict.add_argument("-o", "--output", help="write the trees here, one per line (default: print them)")
     predict.add_argument("--num-beams", type=int, help="beam size (default: the model's generation config)")
     predict.add_argument("--batch-size", type=int, default=32, help="sentences per generate() call (default 32)")
 
@@ -101,6 +101,10 @@ def run(args: argparse.Namespace) -> int:
     from vaswani_tx.evaluation import read_lines
     from vaswani_tx.recipe import ConfigError
 
+    for option in ("num_beams", "batch_size", "max_length"):
+        value = getattr(args, option, None)
+        if value is not None and value < 1:
+            return fail("parse", f"--{option.replace('_', '-')} must be >= 1, got {value}")
     if args.action == "run":
         logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
     try:
@@ -121,9 +125,18 @@ def run(args: argparse.Namespace) -> int:
                 _print_scores(metrics["parse"])
         elif args.action == "predict":
             gold = parsing.read_treebank(args.trees) if args.trees else None
+            if args.output:
+                from vaswani_tx.folders import check_writable
+
+                check_writable(args.output, "file")
             sentences = (
                 [tree.words() for tree in gold] if gold else [line.split() for line in read_lines(args.sentences)]
             )
+            if not any(sentences):
+                raise ValueError(f"{args.sentences or 'the treebank'} holds no sentence to parse")
+            if not all(sentences):
+                blank = next(number for number, words in enumerate(sentences, start=1) if not words)
+                raise ValueError(f"{args.sentences}, line {blank}: empty; give one tokenised sentence per line")
             trees = parsing.parse(args.model, sentences, num_beams=args.num_beams, batch_size=args.batch_size)
             if args.output:
                 parsing.write_trees(trees, args.output)

@@ -17,6 +17,9 @@ examples:
 from __future__ import annotations
 
 import argparse
+import json
+import os
+from pathlib import Path
 
 from vaswani_tx.cli import fail
 
@@ -42,7 +45,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
     parser.add_argument("--tokenizer", required=True, help="folder written by `vaswani-tx train-tokenizer`")
-    parser.add_argument("--output-dir", required=True, help="folder to save the encoded dataset to")
+    parser.add_argument(
+        "-o",
+        "--output-dir",
+        required=True,
+        help="folder to save the encoded dataset to (refused if it exists and is not empty)",
+    )
+    parser.add_argument("--force", action="store_true", help="write into a non-empty output folder")
 
     cleaning = parser.add_argument_group("cleaning (words = whitespace-separated)")
     cleaning.add_argument(
@@ -90,14 +99,28 @@ def _load(args: argparse.Namespace):
 
 def run(args: argparse.Namespace) -> int:
     from vaswani_tx import data
-    from vaswani_tx.tokenization import load_tokenizer
+    from vaswani_tx.tokenization import load_tokenizer, vocabulary_fingerprint
 
     given = [name for name in ("source_file", "tsv", "jsonl", "wmt14") if getattr(args, name)]
     if len(given) != 1 or bool(args.source_file) != bool(args.target_file):
         return fail(
             "prepare-data", "give exactly one input: --source-file with --target-file, --tsv, --jsonl or --wmt14"
         )
+    from vaswani_tx.folders import check_writable, refuse_to_overwrite
+
+    for option in ("max_tokens", "num_proc"):
+        value = getattr(args, option)
+        if value is not None and value < 1:
+            return fail("prepare-data", f"--{option.replace('_', '-')} must be >= 1, got {value}")
+    for option in ("min_words", "max_words", "max_length_ratio"):
+        if getattr(args, option) < 0:
+            return fail("prepare-data", f"--{option.replace('_', '-')} must be >= 0, got {getattr(args, option)}")
     try:
+        for path in (args.source_file, args.target_file, args.tsv, args.jsonl):
+            if path and os.path.isdir(path):
+                raise IsADirectoryError(f"corpus file {path} is a folder; give a text file")
+        refuse_to_overwrite(args.output_dir, args.force)
+        check_writable(args.output_dir)
         tokenizer = load_tokenizer(args.tokenizer)
         pairs, report = data.clean_pairs(
             _load(args),
@@ -120,6 +143,13 @@ def run(args: argparse.Namespace) -> int:
                 f"max_tokens={args.max_tokens}: {len(sampler)} batches; {sampler.num_oversized} pairs too long for the budget"
             )
         encoded.save_to_disk(args.output_dir)
+        record = {
+            "tokenizer": str(Path(args.tokenizer).resolve()),
+            "tokenizer_fingerprint": vocabulary_fingerprint(tokenizer),
+        }
+        (Path(args.output_dir) / data.PREPARED_DATA_RECORD).write_text(
+            json.dumps(record, indent=2) + "\n", encoding="utf-8"
+        )
     except (ValueError, OSError) as err:  # CorpusError; a missing file or an unreachable Hub
         return fail("prepare-data", err)
     print(f"saved {encoded.num_rows} pairs to {args.output_dir}")

@@ -5,6 +5,10 @@ the recipe's own (model_config, tokenizer, train_source/train_target or wmt14, d
 max_tokens, tokens_per_step, save_minutes, ...). key=value arguments override it (values read as YAML).
 Runs alone on CPU or under `accelerate launch` (one process per device). --resume continues from the
 last checkpoint in output_dir (optimizer, schedule, data order and random state restored).
+While it runs, output_dir holds a lock (.vaswani-train.lock): a second `train` on the same folder is
+refused, naming the process that holds it; the lock of a killed run is taken over. Config values are
+checked (numbers, ranges, paths, a writable output_dir that is not already a model) before any data is
+read. Ctrl-C says which checkpoint was saved last and the command that resumes from it.
 
 examples:
   vaswani-tx train configs/train/multi30k-en-de.yaml --resume
@@ -33,17 +37,50 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import json
     import logging
+    import os
+    import sys
 
-    from vaswani_tx.checkpoints import CheckpointError
+    from vaswani_tx.checkpoints import CheckpointError, check_checkpoint, checkpoint_folders
+    from vaswani_tx.folders import RunLockError
     from vaswani_tx.recipe import ConfigError, load_run_config, train
 
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
+    arguments = None
     try:
         recipe, arguments = load_run_config(args.config, args.overrides)
         metrics = train(recipe, arguments, resume=args.resume)
-    except (ConfigError, CheckpointError, ValueError, OSError) as err:  # e.g. a tokenizer that does not fit the model
+    except (
+        ConfigError,
+        CheckpointError,
+        RunLockError,
+        ValueError,
+        OSError,
+    ) as err:  # e.g. a tokenizer that does not fit
         return fail("train", err)
+    except KeyboardInterrupt:
+        if arguments is None or arguments.process_index != 0:
+            return 130
+        found = checkpoint_folders(arguments.output_dir) if os.path.isdir(arguments.output_dir) else []
+        complete = []
+        for folder in found:  # one being written at the Ctrl-C is incomplete; --resume skips it too
+            try:
+                check_checkpoint(folder)
+                complete.append(folder)
+            except CheckpointError:
+                pass
+        saved = f"the last checkpoint saved is {complete[-1]}" if complete else "no checkpoint was saved yet"
+        print(
+            f"vaswani-tx train: interrupted; {saved}. Continue with: vaswani-tx train {args.config} "
+            f"{' '.join(args.overrides) + ' ' if args.overrides else ''}--resume",
+            file=sys.stderr,
+        )
+        return 130
     if arguments.process_index == 0:
         print(json.dumps(metrics, indent=1))
         print(f"model, checkpoints and curves.png in {arguments.output_dir}")
+        if "averaged" in metrics:
+            chosen = metrics["averaged_from"]
+            print(
+                f"averaged the last {len(chosen)} checkpoints ({', '.join(chosen)}; Section 6.1) into {metrics['averaged']}"
+            )
     return 0

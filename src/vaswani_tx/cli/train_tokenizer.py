@@ -14,6 +14,7 @@ examples:
 from __future__ import annotations
 
 import argparse
+import os
 import time
 
 from vaswani_tx.cli import fail
@@ -32,7 +33,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="SRC-TGT",
         help="learn from the WMT14 training set on the Hugging Face Hub instead of FILEs (en-de or en-fr)",
     )
-    parser.add_argument("--output-dir", required=True, help="folder to write the tokenizer to (created if missing)")
+    parser.add_argument(
+        "-o",
+        "--output-dir",
+        required=True,
+        help="folder to write the tokenizer to (created if missing; refused if it exists and is not empty)",
+    )
+    parser.add_argument(
+        "--force", action="store_true", help="write into a non-empty output folder (e.g. replace a tokenizer)"
+    )
     parser.add_argument(
         "--kind",
         choices=("bpe", "wordpiece"),
@@ -56,11 +65,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from vaswani_tx.data import load_wmt14
+    from vaswani_tx.folders import check_writable, refuse_to_overwrite
     from vaswani_tx.tokenization import train_tokenizer
 
     if bool(args.files) == bool(args.wmt14):
         return fail("train-tokenizer", "give either text FILEs or --wmt14 SRC-TGT (see --help)")
+    for option in ("vocab_size", "min_frequency", "limit_alphabet"):
+        value = getattr(args, option)
+        if value is not None and value < 1:
+            return fail("train-tokenizer", f"--{option.replace('_', '-')} must be >= 1, got {value}")
     try:
+        for path in args.files:
+            if not os.path.exists(path):
+                raise FileNotFoundError(f"corpus file {path} does not exist")
+            if os.path.isdir(path):
+                raise IsADirectoryError(f"corpus file {path} is a folder; give text files, one sentence per line")
+        refuse_to_overwrite(args.output_dir, args.force)
+        check_writable(args.output_dir)
         if args.wmt14:
             source_lang, _, target_lang = args.wmt14.partition("-")
             corpus = load_wmt14(source_lang, target_lang, "train", cache_dir=args.cache_dir)

@@ -16,6 +16,7 @@ examples:
 from __future__ import annotations
 
 import argparse
+import sys
 
 from vaswani_tx.cli import fail
 
@@ -79,6 +80,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_decoding_arguments(parser)
 
 
+def check_decoding_arguments(args: argparse.Namespace) -> str | None:
+    """What is wrong with the shared decoding options, before a model is loaded (None when nothing).
+    With --quiet it also turns off transformers' progress bars ("Loading weights"), before the model loads."""
+    import math
+
+    if args.quiet:
+        from transformers.utils import logging as transformers_logging
+
+        transformers_logging.disable_progress_bar()
+
+    for option, least in (("num_beams", 1), ("max_tokens", 1), ("batch_size", 1), ("max_length_offset", 0)):
+        value = getattr(args, option)
+        if value is not None and value < least:
+            return f"--{option.replace('_', '-')} must be >= {least}, got {value}"
+    if args.length_penalty is not None and not math.isfinite(args.length_penalty):
+        return f"--length-penalty must be a finite number, got {args.length_penalty}"
+    try:
+        from vaswani_tx.translation import resolve_device
+
+        resolve_device(args.device)
+    except ValueError as err:
+        return str(err)
+    return None
+
+
 def decoding_options(args: argparse.Namespace) -> dict:
     """`Translator.translate` keyword arguments from the shared options."""
     options = {
@@ -88,6 +114,8 @@ def decoding_options(args: argparse.Namespace) -> dict:
         "batch_size": args.batch_size,
         "progress": not args.quiet,
     }
+    if args.num_beams == 1 and args.length_penalty is None:
+        options["length_penalty"] = 1.0  # greedy has no length penalty: no warning about the model's alpha
     if args.max_length_offset is not None:
         options["max_output_length_offset"] = args.max_length_offset
     if args.static_cache:
@@ -96,15 +124,29 @@ def decoding_options(args: argparse.Namespace) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
+    from vaswani_tx.folders import check_writable
     from vaswani_tx.translation import load_translator, read_text, write_lines
 
     if args.sentences and args.input:
         return fail("translate", "give sentences or --input FILE, not both")
+    problem = check_decoding_arguments(args)
+    if problem:
+        return fail("translate", problem)
     try:
+        if args.output is not None and args.output != "-":
+            check_writable(args.output, "file")
         lines = list(args.sentences) if args.sentences else read_text(args.input)
         translator = load_translator(args.model, device=args.device, dtype=args.dtype, int8=args.int8)
         hypotheses = translator.translate(lines, **decoding_options(args))
         write_lines(hypotheses, args.output)
     except (ValueError, OSError) as err:  # CorpusError, CheckpointError and the model folder checks are ValueErrors
         return fail("translate", err)
+    except KeyboardInterrupt:
+        where = f"{args.output} was not written" if args.output not in (None, "-") else "no translation was printed"
+        print(
+            f"vaswani-tx translate: interrupted; {where} (translations are written once all are done); "
+            "run the same command again to translate everything",
+            file=sys.stderr,
+        )
+        return 130
     return 0

@@ -1,0 +1,189 @@
+"""Checks every command makes on its folders before any heavy work, and the lock `train` holds on its run folder.
+
+- :func:`folder_kind` says what a folder holds (a vaswani_tx model, another library's model, a training
+  run, a checkpoint, a tokenizer, a CTranslate2 export), so a command can name what it was given.
+- :func:`refuse_to_overwrite` refuses an output folder that already holds something, unless ``--force``.
+- :func:`check_writable` finds an unusable output location (under a file, read-only, an existing folder
+  where a file is wanted) before any decoding or training, by writing a probe file there.
+- :class:`RunLock` is the lock ``train`` holds on ``output_dir`` while it writes it: a second run on the
+  same folder is refused, naming the process that holds it; a lock left by a killed run is taken over.
+
+Standard library only: a command's checks never wait on torch or transformers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import tempfile
+import time
+from pathlib import Path
+
+LOCK_NAME = ".vaswani-train.lock"
+
+
+def folder_kind(path: str | os.PathLike) -> str | None:
+    """What `path` holds, in words ("a vaswani_tx model folder", "a marian model folder", "a training run
+    folder (checkpoint-<step> folders)", ...), or None when it is none of the folders this package writes."""
+    path = Path(path)
+    if not path.is_dir():
+        return None
+    if (path / "config.json").is_file():
+        try:
+            model_type = json.loads((path / "config.json").read_text(encoding="utf-8")).get("model_type")
+        except (ValueError, UnicodeDecodeError, AttributeError, OSError):
+            model_type = None
+        if (path / "trainer_state.json").is_file():
+            return "a training checkpoint folder"
+        if model_type == "vaswani":
+            return "a vaswani_tx model folder"
+        return f"a {model_type} model folder" if model_type else "a model folder (config.json)"
+    if any(p.is_dir() and p.name.startswith("checkpoint-") for p in path.iterdir()):
+        return "a training run folder (checkpoint-<step> folders)"
+    if (path / "model.bin").is_file():
+        return "a CTranslate2 model folder"
+    if (path / "tokenizer.json").is_file() or (path / "tokenizer_config.json").is_file():
+        return "a tokenizer folder"
+    if (path / "dataset_info.json").is_file() or (path / "state.json").is_file():
+        return "a dataset folder"
+    return None
+
+
+def require_vaswani_model(path: str | os.PathLike) -> None:
+    """Refuse a folder that is not a vaswani_tx model, naming what it is and, for another library's
+    translation model, the command that takes it (``vaswani-tx convert``)."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"model folder {path} does not exist")
+    if not path.is_dir():
+        raise ValueError(f"{path} is a file, not a model folder")
+    if not (path / "config.json").is_file():
+        kind = folder_kind(path)
+        raise ValueError(f"{path} is not a model folder: it has no config.json" + (f" (it is {kind})" if kind else ""))
+    try:
+        config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as err:
+        raise ValueError(f"{path / 'config.json'} is not a valid JSON config ({err})") from None
+    model_type = config.get("model_type") if isinstance(config, dict) else None
+    if model_type != "vaswani":
+        raise ValueError(
+            f"{path} holds a model of type {model_type!r}, not a vaswani_tx model ('vaswani'): "
+            f"convert it first (`vaswani-tx convert {path} OUT`)"
+        )
+
+
+def refuse_to_overwrite(path: str | os.PathLike, force: bool, option: str = "--force") -> None:
+    """Refuse `path` as an output folder when it exists and is not empty (naming what it holds), unless `force`."""
+    path = Path(path)
+    if not path.exists():
+        return
+    if not path.is_dir():
+        raise ValueError(f"output folder {path} exists and is a file, not a folder")
+    if force or not any(path.iterdir()):
+        return
+    kind = folder_kind(path)
+    raise FileExistsError(
+        f"output folder {path} already exists and is {kind or 'not empty'}; nothing was written: "
+        f"give another folder, or pass {option} to overwrite it"
+    )
+
+
+def check_writable(path: str | os.PathLike, kind: str = "dir") -> None:
+    """Refuse an output location before any work: `kind` "dir" for a folder (created later if missing),
+    "file" for a file. Writes and removes a probe file in the nearest existing folder."""
+    path = Path(path)
+    if kind == "file" and path.is_dir():
+        raise ValueError(f"output file {path} is a folder; give a file name")
+    if kind == "dir" and path.exists() and not path.is_dir():
+        raise ValueError(f"output folder {path} is a file, not a folder")
+    probe_in = path if kind == "dir" else path.parent
+    while not probe_in.exists():
+        probe_in = probe_in.parent
+    if not probe_in.is_dir():
+        raise ValueError(f"cannot write {path}: {probe_in} is a file, not a folder")
+    try:
+        with tempfile.NamedTemporaryFile(dir=probe_in, prefix=".vaswani-probe-"):
+            pass
+    except OSError as err:
+        raise PermissionError(f"cannot write {path}: {probe_in} is not writable ({err.strerror})") from None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, owned by someone else
+        return True
+    return True
+
+
+class RunLockError(RuntimeError):
+    """Another live process holds the run folder."""
+
+
+class RunLock:
+    """``with RunLock(output_dir):`` holds ``output_dir/.vaswani-train.lock`` (PID and host) while training.
+
+    Taken with an exclusive create, so two processes cannot both hold it; a lock whose process is gone
+    (a run killed with kill -9 or a power cut, on this host) is taken over with a warning line."""
+
+    def __init__(self, folder: str | os.PathLike):
+        self.folder = Path(folder)
+        self.path = self.folder / LOCK_NAME
+        self.took_over: dict | None = None
+
+    def _holder(self) -> dict | None:
+        try:
+            return json.loads(self.path.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            return None
+        except (ValueError, UnicodeDecodeError, OSError):
+            return {}  # being written, or garbage: judged by its age below
+
+    def acquire(self) -> None:
+        self.folder.mkdir(parents=True, exist_ok=True)
+        me = {"pid": os.getpid(), "host": socket.gethostname()}
+        for _ in range(3):
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                holder = self._holder()
+                if holder is None:
+                    continue  # released meanwhile
+                pid, host = holder.get("pid"), holder.get("host")
+                if isinstance(pid, int) and (host != me["host"] or _alive(pid)):
+                    where = "" if host == me["host"] else f" on host {host}"
+                    raise RunLockError(
+                        f"{self.folder} is being written by another `vaswani-tx train` (process {pid}{where}; "
+                        f"lock file {self.path}); wait for it to finish, stop it, or give another output_dir"
+                    ) from None
+                if not isinstance(pid, int):
+                    try:  # a lock being written right now is fresh; an unreadable old one is stale
+                        if time.time() - self.path.stat().st_mtime < 5:
+                            time.sleep(0.5)
+                            continue
+                    except FileNotFoundError:
+                        continue
+                if self._holder() != holder:
+                    continue  # another process took it over meanwhile: judge the new holder
+                self.took_over = holder
+                self.path.unlink(missing_ok=True)
+                continue
+            with os.fdopen(fd, "w", encoding="utf-8") as file:
+                json.dump(me, file)
+            return
+        raise RunLockError(f"could not take the lock {self.path}; remove it if no `vaswani-tx train` runs on it")
+
+    def release(self) -> None:
+        holder = self._holder()
+        if holder and holder.get("pid") == os.getpid():
+            self.path.unlink(missing_ok=True)
+
+    def __enter__(self) -> RunLock:
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
