@@ -3,6 +3,7 @@ the parser configs, and the `vaswani-tx parse` command end to end on tiny trees.
 
 from __future__ import annotations
 
+import io
 import json
 import random
 from pathlib import Path
@@ -116,6 +117,12 @@ def test_missing_treebank_files_are_named(tmp_path):
 
 
 # --- linearisation and repair ----------------------------------------------------------------------------------
+
+
+def test_word_leaves_linearise_with_the_words_and_read_back():
+    tree = parse_tree("(S (NP (DT The) (NN dog)) (VP (VBD barked)) (. .))")
+    assert linearize(tree, words=True) == ["(S", "(NP", "The", "dog", ")NP", "(VP", "barked", ")VP", ".", ")S"]
+    assert delinearize(linearize(tree, words=True), tree.words()) == replace_tags(tree)
 
 
 def test_linearisation_is_vinyals_et_al(tiny_treebank):
@@ -328,10 +335,10 @@ def test_generation_block_becomes_the_saved_generation_config(tmp_path):
     model = VaswaniForConditionalGeneration(
         VaswaniConfig(vocab_size=40, d_model=16, num_heads=2, d_ff=24, num_encoder_layers=1, num_decoder_layers=1)
     )
-    set_generation_defaults(model, PARSER_GENERATION)
+    set_generation_defaults(model, {**PARSER_GENERATION, "tree_leaves": "words"})  # the parser's own field too
     model.save_pretrained(tmp_path)
     saved = json.loads((tmp_path / "generation_config.json").read_text())
-    assert {key: saved[key] for key in PARSER_GENERATION} == PARSER_GENERATION
+    assert {key: saved[key] for key in PARSER_GENERATION} == PARSER_GENERATION and saved["tree_leaves"] == "words"
     with pytest.raises(ConfigError, match="num_beam"):
         set_generation_defaults(model, {"num_beam": 21})
 
@@ -355,7 +362,7 @@ def test_parse_command_trains_parses_and_scores(tmp_path, monkeypatch):
     (tmp_path / "trees.txt").write_text("".join(t + "\n" for t in TINY_TREES * 3), encoding="utf-8")
     (tmp_path / "test.mrg").write_text("".join(t + "\n" for t in TINY_TREES[:2]), encoding="utf-8")
     parsing.write_examples(read_treebank("trees.txt"), "data/train.words", "data/train.tree")
-    tokenizer = train_tokenizer(["data/train.words", "data/train.tree"], vocab_size=300, show_progress=False)
+    tokenizer = train_tokenizer(["data/train.words", "data/train.tree"], "word", 300, show_progress=False)
     tokenizer.save_pretrained("tokenizer")
     config = VaswaniConfig(
         vocab_size=len(tokenizer), d_model=16, num_heads=2, d_ff=24, num_encoder_layers=1, num_decoder_layers=1
@@ -391,6 +398,10 @@ def test_parse_command_trains_parses_and_scores(tmp_path, monkeypatch):
     assert json.loads(Path("run/averaged/generation_config.json").read_text())["num_beams"] == 3
     parsed = read_treebank("run/test.parsed")
     assert [tree.words() for tree in parsed] == [tree.words() for tree in read_treebank("test.mrg")]
+    assert scores["constrained"] is True and "f1_40" in scores and scores["seconds"] > 0
+    dev_f1 = [e for e in json.loads(Path("run/log_history.json").read_text()) if "eval_bracket_f1" in e]
+    assert [e["step"] for e in dev_f1] == [2, 4] and all(0 <= e["eval_bracket_f1"] <= 100 for e in dev_f1)
+    assert dev_f1[1]["train_minutes"] >= dev_f1[0]["train_minutes"] >= 0 and Path("run/curves.png").is_file()
 
     assert main(["parse", "score", "test.mrg", "test.mrg"]) == 0
     Path("sentences.txt").write_text("the dog runs .\nit rains\n", encoding="utf-8")
@@ -411,6 +422,12 @@ def test_parse_command_trains_parses_and_scores(tmp_path, monkeypatch):
         == 0
     )
     assert [tree.words() for tree in read_treebank("out.txt")] == [["the", "dog", "runs", "."], ["it", "rains"]]
+    argv = ["parse", "predict", "run/averaged", "--sentences", "sentences.txt", "--unconstrained", "-o", "plain.txt"]
+    assert main([*argv, "--num-beams", "2"]) == 0
+    assert [tree.words() for tree in read_treebank("plain.txt")] == [["the", "dog", "runs", "."], ["it", "rains"]]
+    monkeypatch.setattr("sys.stdin", io.StringIO("the dog runs .\n"))  # the --help example: --sentences -
+    assert main(["parse", "predict", "run/averaged", "--sentences", "-", "--num-beams", "2", "-o", "stdin.txt"]) == 0
+    assert [tree.words() for tree in read_treebank("stdin.txt")] == [["the", "dog", "runs", "."]]
 
 
 def test_parse_command_reports_bad_trees_with_file_and_line(tmp_path, capsys):

@@ -62,6 +62,7 @@ from vaswani_tx.metrics.vaswani_parseval.vaswani_parseval import (
 
 __all__ = [
     "PLACEHOLDER",
+    "TREE_LEAVES",
     "Tree",
     "TreebankFormatError",
     "bracket_f1",
@@ -81,6 +82,10 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 PLACEHOLDER = "XX"  # Vinyals et al. (2015): every POS tag, and so every word, becomes XX in the target
+# The leaves of a target tree, saved as `tree_leaves` in a parser's generation config: "XX" (Vinyals et al.) or
+# "words", the sentence's own words, which the decoder then reads back as it writes the tree: where it is in the
+# sentence is in its input, not a count of XX it must keep, and it can match its last word against the source.
+TREE_LEAVES = ("XX", "words")
 
 
 def expand_paths(patterns: Iterable[str | os.PathLike]) -> list[Path]:
@@ -139,17 +144,18 @@ def replace_tags(tree: Tree, tag: str = PLACEHOLDER) -> Tree:
     return Tree(tree.label, [replace_tags(child, tag) for child in tree.children], tree.line)
 
 
-def linearize(tree: Tree, tags: bool = False) -> list[str]:
+def linearize(tree: Tree, tags: bool = False, words: bool = False) -> list[str]:
     """The target tokens of a (normalised) tree: ``(LABEL`` ... ``)LABEL``, one leaf token per word.
 
-    Leaf tokens are :data:`PLACEHOLDER` or, with ``tags``, the POS tags. A root (``""``, ``TOP``,
+    Leaf tokens are :data:`PLACEHOLDER`, with ``tags`` the POS tags, or with ``words`` the words themselves
+    (``(S (NP The dog )NP (VP barked )VP . )S``: see :data:`TREE_LEAVES`). A root (``""``, ``TOP``,
     ``ROOT``) is not written: :func:`delinearize` restores an unlabelled one where it is needed.
     """
     tokens: list[str] = []
 
     def walk(node: Tree) -> None:
         if node.is_preterminal:
-            tokens.append(node.label if tags else PLACEHOLDER)
+            tokens.append(node.children[0] if words else node.label if tags else PLACEHOLDER)
             return
         tokens.append("(" + node.label)
         for child in node.children:
@@ -161,9 +167,9 @@ def linearize(tree: Tree, tags: bool = False) -> list[str]:
     return tokens
 
 
-def tree_to_example(tree: Tree, tags: bool = False) -> tuple[str, str]:
+def tree_to_example(tree: Tree, tags: bool = False, words: bool = False) -> tuple[str, str]:
     """``(source, target)`` strings of a normalised tree: its words and its linearisation, space-separated."""
-    return " ".join(tree.words()), " ".join(linearize(tree, tags))
+    return " ".join(tree.words()), " ".join(linearize(tree, tags, words))
 
 
 _BRACKET_CHARACTERS = re.compile(r"[()]")
@@ -216,10 +222,14 @@ def _prune(node: Tree) -> Tree | None:
 
 
 def write_examples(
-    trees: Sequence[Tree], source_path: str | os.PathLike, target_path: str | os.PathLike, tags: bool = False
+    trees: Sequence[Tree],
+    source_path: str | os.PathLike,
+    target_path: str | os.PathLike,
+    tags: bool = False,
+    words: bool = False,
 ) -> int:
     """Write line-aligned source (words) and target (linearised tree) files; returns the number of lines."""
-    sources, targets = zip(*(tree_to_example(tree, tags) for tree in trees)) if trees else ((), ())
+    sources, targets = zip(*(tree_to_example(tree, tags, words) for tree in trees)) if trees else ((), ())
     for path, lines in ((source_path, sources), (target_path, targets)):
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         Path(path).write_text("".join(line + "\n" for line in lines), encoding="utf-8")
@@ -240,22 +250,63 @@ def bracket_f1(
 
 
 def parse(
-    model_dir: str | os.PathLike,
+    model: str | os.PathLike | Any,
     sentences: Sequence[Sequence[str]],
     num_beams: int | None = None,
     batch_size: int = 32,
     tags: bool = False,
+    constrained: bool = True,
 ) -> list[Tree]:
-    """Parse tokenised sentences (lists of words) with a saved parser; one repaired tree per sentence.
+    """Parse tokenised sentences (lists of words) with a saved parser; one tree per sentence.
 
-    Decoding uses the model's ``generation_config`` (Section 6.3's beam 21, alpha 0.3 and input + 300
-    when trained with ``configs/train/wsj-parse*.yaml``); ``num_beams`` overrides the beam only.
+    ``model`` is a model folder or a loaded :class:`~vaswani_tx.translation.Translator`. Decoding uses the
+    model's ``generation_config`` (Section 6.3's beam 21, alpha 0.3 and input + 300 when trained with
+    ``configs/train/wsj-parse*.yaml``); ``num_beams`` overrides the beam only. ``constrained`` (the
+    default) restricts every hypothesis to a well-formed tree over exactly the sentence's words
+    (:class:`~vaswani_tx.tree_decoding.TreeConstraint`; it needs a word-level target vocabulary);
+    ``constrained=False`` is the paper's plain beam search, whose output the repair (:func:`delinearize`)
+    makes a tree. The leaves are the model's ``tree_leaves`` (its generation config; ``"XX"`` when unset).
     """
-    from vaswani_tx.translation import translate
+    from vaswani_tx.translation import Translator, load_translator
+    from vaswani_tx.tree_decoding import TreeConstraint
 
-    outputs = translate(
-        model_dir, [" ".join(words) for words in sentences], num_beams=num_beams, batch_size=batch_size
+    translator = model if isinstance(model, Translator) else load_translator(model)
+    lines = [" ".join(words) for words in sentences]
+    tokenizer = translator.tokenizer
+    leaves = getattr(translator.model.generation_config, "tree_leaves", "XX")
+    if leaves not in TREE_LEAVES:
+        raise ValueError(f"the model's generation config has tree_leaves={leaves!r}; expected one of {TREE_LEAVES}")
+    processors_for = None
+    if constrained:
+        vocabulary = tokenizer.get_vocab()
+        offset = getattr(translator.model.generation_config, "max_output_length_offset", None)
+        # refuses a vocabulary without whole brackets before any decoding
+        TreeConstraint(vocabulary, tokenizer.eos_token_id, [], leaf_ids=[] if leaves == "words" else None)
+
+        def processors_for(indices: list[int]) -> list:
+            # the tokens each source has (</s> included) are what SourceLengthCap adds the offset to
+            sources = [tokenizer(lines[i]).input_ids for i in indices]
+            return [
+                TreeConstraint(
+                    vocabulary,
+                    tokenizer.eos_token_id,
+                    [len(sentences[i]) for i in indices],
+                    max_new_tokens=None if offset is None else [len(ids) + int(offset) for ids in sources],
+                    leaf_ids=[ids[:-1] for ids in sources] if leaves == "words" else None,
+                )
+            ]
+
+    # word leaves keep <unk> (a rare word is still a leaf); only the sequence markers are dropped
+    outputs = translator.translate(
+        lines,
+        num_beams=num_beams,
+        batch_size=batch_size,
+        processors_for=processors_for,
+        skip_special_tokens=leaves == "XX",
     )
+    if leaves == "words":
+        markers = {tokenizer.pad_token, tokenizer.bos_token, tokenizer.eos_token}
+        outputs = [" ".join(token for token in text.split() if token not in markers) for text in outputs]
     return [delinearize(text, words, tags) for text, words in zip(outputs, sentences)]
 
 
@@ -274,6 +325,7 @@ def run_recipe(
     resume: bool = False,
     num_beams: int | None = None,
     max_length: int | None = None,
+    constrained: bool = True,
 ) -> dict[str, Any]:
     """Section 6.3 end to end: linearise the splits, train, parse the test trees, score them.
 
@@ -282,15 +334,28 @@ def run_recipe(
     ``train_trees``/``dev_trees`` (paths or globs of treebank files). After training, the final model in
     ``output_dir`` (or, with ``average_last`` > 1 and enough checkpoints, their average in
     ``output_dir/averaged``, Section 6.1) parses the test trees' words. Written to ``output_dir``:
-    ``test.gold`` and ``test.parsed`` (one normalised tree per line) and ``parse_scores.json``.
+    ``test.gold`` and ``test.parsed`` (one normalised tree per line) and ``parse_scores.json``: precision,
+    recall, F1 and exact match of all test sentences and F1 of those of at most 40 words (``f1_40``), or only
+    of sentences up to ``max_length`` words. While training, each evaluation also logs the dev trees'
+    bracketing F1 (greedy, :class:`~vaswani_tx.tree_decoding.DevBracketF1Callback`), drawn in ``curves.png``.
+    ``constrained`` decodes with :class:`~vaswani_tx.tree_decoding.TreeConstraint` (see :func:`parse`). The
+    target trees' leaves are ``XX`` or, with ``tree_leaves: words`` in the config's ``generation:`` block
+    (saved with the model), the words themselves.
     Under several processes every process trains and process 0 alone parses and scores.
     """
     from vaswani_tx.recipe import load_run_config, train
+    from vaswani_tx.tree_decoding import DevBracketF1Callback
+
+    started = time.monotonic()
 
     recipe, arguments = load_run_config(config, overrides)
+    leaves = (recipe.generation or {}).get("tree_leaves", "XX")
+    if leaves not in TREE_LEAVES:
+        raise ValueError(f"run config {config}: generation: tree_leaves={leaves!r} is not one of {TREE_LEAVES}")
     test = read_treebank(test_trees)
     if not test:
         raise ValueError(f"no trees in the test files {' '.join(map(str, test_trees))}")
+    dev: list[Tree] = []
     with arguments.main_process_first(local=False, desc="treebank"):  # process 0 writes, the others wait
         for name, patterns, source, target in (
             ("train", train_trees, recipe.train_source, recipe.train_target),
@@ -302,15 +367,17 @@ def run_recipe(
                 trees = read_treebank(patterns)
                 if not trees:
                     raise ValueError(f"no trees in the {name} files {' '.join(map(str, patterns))}")
-                count = write_examples(trees, source, target)
+                count = write_examples(trees, source, target, words=leaves == "words")
                 logger.info("%s: %d trees -> %s, %s", name, count, source, target)
-    metrics = train(recipe, arguments, resume=resume)
+                dev = trees if name == "dev" else dev
+    callbacks = [DevBracketF1Callback(dev, constrained=constrained)] if arguments.eval_strategy != "no" else []
+    metrics = train(recipe, arguments, resume=resume, callbacks=callbacks)
     if arguments.process_index != 0:
         return metrics
     model_dir = Path(metrics.get("averaged", arguments.output_dir))  # train() averaged the last checkpoints
-    started = time.monotonic()
-    predicted = parse(model_dir, [tree.words() for tree in test], num_beams=num_beams)
-    parse_seconds = round(time.monotonic() - started, 1)
+    parse_started = time.monotonic()
+    predicted = parse(model_dir, [tree.words() for tree in test], num_beams=num_beams, constrained=constrained)
+    parse_seconds = round(time.monotonic() - parse_started, 1)
     output_dir = Path(arguments.output_dir)
     write_trees(test, output_dir / "test.gold")
     write_trees(predicted, output_dir / "test.parsed")
@@ -322,8 +389,12 @@ def run_recipe(
         "model": str(model_dir),
         "test_trees": len(test),
         "num_beams": num_beams,
+        "constrained": constrained,
         "parse_seconds": parse_seconds,
         **bracket_f1(test, predicted, max_length=max_length),
     }
+    if max_length is None:
+        scores["f1_40"] = bracket_f1(test, predicted, max_length=40)["f1"]
+    scores["seconds"] = round(time.monotonic() - started, 1)  # this call: training, averaging and parsing
     (output_dir / "parse_scores.json").write_text(json.dumps(scores, indent=1) + "\n", encoding="utf-8")
     return {**metrics, "parse": scores}

@@ -26,7 +26,13 @@ from typing import Any
 
 import yaml
 from matplotlib.figure import Figure
-from transformers import DataCollatorForSeq2Seq, Seq2SeqTrainingArguments, TrainerState, set_seed
+from transformers import (
+    DataCollatorForSeq2Seq,
+    Seq2SeqTrainingArguments,
+    TrainerCallback,
+    TrainerState,
+    set_seed,
+)
 
 from vaswani_tx import data
 from vaswani_tx.checkpoints import (
@@ -373,11 +379,17 @@ def _sampler_state(trainer: VaswaniTrainer) -> dict[str, int]:
     ).state_dict()
 
 
-def train(recipe: RecipeConfig, arguments: Seq2SeqTrainingArguments, resume: bool = False) -> dict[str, Any]:
+def train(
+    recipe: RecipeConfig,
+    arguments: Seq2SeqTrainingArguments,
+    resume: bool = False,
+    callbacks: Sequence[TrainerCallback] = (),
+) -> dict[str, Any]:
     """Run a recipe: tokenizer, data, model, :class:`VaswaniTrainer`; returns the final metrics.
 
     Writes to ``output_dir``: the checkpoints, the final model with its tokenizer, TensorBoard logs
     (when ``report_to`` asks and TensorBoard is installed), ``log_history.json`` and ``curves.png``; with
+    ``callbacks`` are added to the Trainer's (the parser's dev F1, for one). With
     ``average_last`` > 1, the average of that many last complete checkpoints (Section 6.1; fewer when fewer
     were written) in ``output_dir/averaged``, rewritten whenever `train` ends (a ``--resume`` of a finished
     run included); the metrics give its path as ``averaged`` and the checkpoints as ``averaged_from``.
@@ -388,11 +400,11 @@ def train(recipe: RecipeConfig, arguments: Seq2SeqTrainingArguments, resume: boo
     _check_paths(recipe)
     check_writable(arguments.output_dir)  # a read-only output_dir is found before any data is read
     if arguments.process_index != 0:
-        return _train(recipe, arguments, resume)
+        return _train(recipe, arguments, resume, callbacks)
     with RunLock(arguments.output_dir) as lock:
         if lock.took_over is not None:
             logger.warning("took over the lock of a run that is gone: %s", lock.took_over)
-        metrics = _train(recipe, arguments, resume)
+        metrics = _train(recipe, arguments, resume, callbacks)
         if recipe.average_last > 1 and complete_checkpoints(arguments.output_dir):
             averaged, chosen = average_last_checkpoints(arguments.output_dir, recipe.average_last)
             logger.info("averaged %s into %s (average_last, Section 6.1)", ", ".join(c.name for c in chosen), averaged)
@@ -400,7 +412,9 @@ def train(recipe: RecipeConfig, arguments: Seq2SeqTrainingArguments, resume: boo
         return metrics
 
 
-def _train(recipe: RecipeConfig, arguments: Seq2SeqTrainingArguments, resume: bool) -> dict[str, Any]:
+def _train(
+    recipe: RecipeConfig, arguments: Seq2SeqTrainingArguments, resume: bool, extra_callbacks: Sequence[TrainerCallback]
+) -> dict[str, Any]:
     kind = folder_kind(arguments.output_dir)
     if Path(arguments.output_dir).resolve() == Path(recipe.tokenizer).resolve():
         kind = None  # the run's own tokenizer, trained into output_dir by an earlier start of this run
@@ -421,6 +435,7 @@ def _train(recipe: RecipeConfig, arguments: Seq2SeqTrainingArguments, resume: bo
         set_generation_defaults(model, recipe.generation)
     collator = DataCollatorForSeq2Seq(tokenizer, model=model, label_pad_token_id=-100)
     callbacks = [TimedCheckpointCallback(recipe.save_minutes)] if recipe.save_minutes else []
+    callbacks += list(extra_callbacks)
     trainer = VaswaniTrainer(
         model=model,
         args=arguments,
@@ -462,8 +477,14 @@ def _train(recipe: RecipeConfig, arguments: Seq2SeqTrainingArguments, resume: bo
     return metrics
 
 
+# The parser's target format (vaswani_tx.parsing): saved with its decoding defaults so that `parse predict`
+# decodes a model as it was trained.
+PARSER_GENERATION_FIELDS = ("tree_leaves",)
+
+
 def set_generation_defaults(model, values: dict[str, Any]) -> None:
-    """Replace fields of ``model.generation_config`` (the run config's ``generation:`` block).
+    """Replace fields of ``model.generation_config`` (the run config's ``generation:`` block, which may also
+    name the parser's ``tree_leaves``).
 
     Checkpoints and the final model save it, so ``generate()`` and ``vaswani-tx translate`` decode with
     these defaults unchanged (e.g. Section 6.3's beam 21, alpha 0.3, input length + 300).
@@ -472,10 +493,14 @@ def set_generation_defaults(model, values: dict[str, Any]) -> None:
         ConfigError: a key that is not a field of the model's generation config, or invalid values.
     """
     generation_config = model.generation_config
-    unknown = sorted(key for key in values if not hasattr(generation_config, key))
+    unknown = sorted(
+        key for key in values if not hasattr(generation_config, key) and key not in PARSER_GENERATION_FIELDS
+    )
     if unknown:
         raise ConfigError(f"generation: {', '.join(unknown)} not a field of the model's GenerationConfig")
-    generation_config.update(**values)
+    unused = generation_config.update(**values)  # sets only the fields the config already has ...
+    for key, value in unused.items():  # ... and returns the parser's own, set here
+        setattr(generation_config, key, value)
     try:
         generation_config.validate(strict=True)
     except ValueError as err:
@@ -517,15 +542,17 @@ def _save_final(trainer: VaswaniTrainer) -> None:
 
 
 def plot_curves(log_history: Sequence[dict[str, Any]], path: str | os.PathLike) -> Path:
-    """A PNG of the training loss, the dev loss and the dev sacreBLEU against the optimizer step."""
+    """A PNG of the training loss, the dev loss and the dev sacreBLEU against the optimizer step, and, for a
+    parser, its dev bracketing F1 against training minutes."""
 
     def series(key: str) -> tuple[list[int], list[float]]:
         points = [(entry["step"], entry[key]) for entry in log_history if key in entry]
         return [p[0] for p in points], [p[1] for p in points]
 
     # a Figure of its own, not pyplot's: no backend to select, no global figure list to close it from
-    figure = Figure(figsize=(11, 4))
-    loss_axis, bleu_axis = figure.subplots(1, 2)
+    parser_f1 = [entry for entry in log_history if "eval_bracket_f1" in entry]
+    figure = Figure(figsize=(16 if parser_f1 else 11, 4))
+    loss_axis, bleu_axis, *f1_axis = figure.subplots(1, 3 if parser_f1 else 2)
     for key, label in (("loss", "training loss (label-smoothed)"), ("eval_loss", "dev loss (label-smoothed)")):
         steps, values = series(key)
         if steps:
@@ -540,6 +567,17 @@ def plot_curves(log_history: Sequence[dict[str, Any]], path: str | os.PathLike) 
     bleu_axis.set_xlabel("optimizer step")
     bleu_axis.set_ylabel("dev sacreBLEU")
     bleu_axis.grid(alpha=0.3)
+    if parser_f1:  # the parser's dev bracketing F1 against wall-clock training minutes (Section 6.3)
+        (axis,) = f1_axis
+        axis.plot(
+            [e["train_minutes"] for e in parser_f1],
+            [e["eval_bracket_f1"] for e in parser_f1],
+            marker="o",
+            color="tab:red",
+        )
+        axis.set_xlabel("training minutes")
+        axis.set_ylabel("dev bracketing F1 (EVALB)")
+        axis.grid(alpha=0.3)
     figure.tight_layout()
     path = Path(path)
     figure.savefig(path, dpi=100)

@@ -59,8 +59,9 @@ PAD_TOKEN_ID, UNK_TOKEN_ID, BOS_TOKEN_ID, EOS_TOKEN_ID = range(4)
 BYTE_TOKENS = tuple(f"<0x{byte:02X}>" for byte in range(256))  # the names ByteFallback decodes
 WORD_BOUNDARY = "\u2581"
 
-TokenizerKind = Literal["bpe", "wordpiece"]
-DEFAULT_VOCAB_SIZE: dict[str, int] = {"bpe": 37_000, "wordpiece": 32_000}  # Section 5.1
+TokenizerKind = Literal["bpe", "wordpiece", "word"]
+# Section 5.1; "word" (whole words, no subwords) is for small closed vocabularies such as the parser's.
+DEFAULT_VOCAB_SIZE: dict[str, int] = {"bpe": 37_000, "wordpiece": 32_000, "word": 32_000}
 
 
 def build_normalizer() -> normalizers.Normalizer:
@@ -134,7 +135,10 @@ def train_tokenizer(
     Args:
         corpus: text files (one sentence per line; pass both sides, e.g. ``train.en`` and ``train.de``)
             or a ``datasets.Dataset`` whose ``columns`` hold the text.
-        kind: ``"bpe"`` (the paper's EN-DE choice, default 37,000) or ``"wordpiece"`` (EN-FR, 32,000).
+        kind: ``"bpe"`` (the paper's EN-DE choice, default 37,000), ``"wordpiece"`` (EN-FR, 32,000) or
+            ``"word"``: whole space-separated tokens, the ``vocab_size`` most frequent ones seen at least
+            ``min_frequency`` times, any other ``<unk>``. For text whose tokens matter whole, such as the
+            parser's linearised trees (``(NP``, ``)NP``, ``XX``: constrained decoding needs each to be one id).
         vocab_size: final size including the 4 special tokens (and BPE's 256 byte tokens).
         min_frequency: pairs seen fewer times are never merged.
         limit_alphabet: at most this many distinct characters enter the alphabet; rarer ones fall back
@@ -167,6 +171,14 @@ def train_tokenizer(
             show_progress=show_progress,
         )
         tokenizer.decoder = decoders.Sequence([decoders.ByteFallback(), decoders.Metaspace()])
+    elif kind == "word":
+        tokenizer = Tokenizer(models.WordLevel(unk_token=UNK_TOKEN))
+        trainer = trainers.WordLevelTrainer(
+            vocab_size=vocab_size,
+            min_frequency=min_frequency,
+            special_tokens=list(reserved),
+            show_progress=show_progress,
+        )
     else:
         tokenizer = Tokenizer(models.WordPiece(unk_token=UNK_TOKEN, continuing_subword_prefix=""))
         trainer = trainers.WordPieceTrainer(
@@ -179,7 +191,8 @@ def train_tokenizer(
         )
         tokenizer.decoder = decoders.Metaspace()
     tokenizer.normalizer = build_normalizer()
-    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace()
+    # whole words: split on whitespace, decoded joined by spaces (no decoder needed)
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit() if kind == "word" else pre_tokenizers.Metaspace()
 
     lines_seen = 0
 

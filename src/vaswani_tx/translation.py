@@ -23,7 +23,7 @@ import json
 import os
 import re
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -149,6 +149,8 @@ class Translator:
         max_tokens: int = 4096,
         batch_size: int | None = None,
         progress: bool = False,
+        processors_for: Callable[[list[int]], list[Any]] | None = None,
+        skip_special_tokens: bool = True,
         **generate_kwargs: Any,
     ) -> list[str]:
         """One translation per line, in input order; empty or blank lines give empty lines.
@@ -157,6 +159,9 @@ class Translator:
         paper's 4 and 0.6); other keyword arguments go to ``generate``. ``max_tokens`` bounds the
         padded source tokens of a batch (memory grows with it times the beam), ``batch_size`` its
         sentences. ``progress`` shows a tqdm bar on standard error, counted in lines.
+        ``processors_for(indices)`` gives extra ``LogitsProcessor``s for the batch of ``lines[i]`` for
+        ``i`` in ``indices``, in batch order (per-sentence constraints such as the parser's trees).
+        ``skip_special_tokens=False`` keeps every token in the text, ``<unk>`` and the markers included.
         """
         from tqdm.auto import tqdm
 
@@ -178,12 +183,14 @@ class Translator:
                 padded = self.tokenizer.pad(
                     {"input_ids": [encoded[b] for b in batch]}, padding_side="right", return_tensors="pt"
                 )
+                if processors_for is not None:
+                    generate_kwargs["logits_processor"] = processors_for([todo[b] for b in batch])
                 generated = self.model.generate(
                     input_ids=padded["input_ids"].to(self.device),
                     attention_mask=padded["attention_mask"].to(self.device),
                     **generate_kwargs,
                 )
-                texts = self.tokenizer.batch_decode(generated, skip_special_tokens=True)
+                texts = self.tokenizer.batch_decode(generated, skip_special_tokens=skip_special_tokens)
                 for b, text in zip(batch, texts):
                     outputs[todo[b]] = one_line(text)
                 bar.update(len(batch))

@@ -1,23 +1,28 @@
 """Constituency parsing with the same model (paper Section 6.3): train, parse and score with EVALB's F1.
 
-  run CONFIG --train T.. --dev D.. --test E.. [--resume] [key=value ...]
-      linearise the treebank splits into the files the run config names, train (as `vaswani-tx train`),
-      parse the test trees' sentences and score them; writes test.gold, test.parsed, parse_scores.json
-  predict MODEL (--sentences FILE | --trees FILE..) [--output FILE] [--num-beams N]
-      parse tokenised sentences (one per line, words separated by spaces) or the sentences of treebank
-      files (then also scored against them); prints or writes one tree per line
+  run CONFIG --train T.. --dev D.. --test E.. [--resume] [--unconstrained] [key=value ...]
+      linearise the treebank splits into the files the run config names, train (as `vaswani-tx train`,
+      logging the dev set's bracketing F1 at each evaluation), parse the test trees' sentences and score
+      them; writes test.gold, test.parsed, parse_scores.json and curves.png
+  predict MODEL (--sentences FILE | --trees FILE..) [-o FILE] [--num-beams N] [--unconstrained]
+      parse tokenised sentences (one per line, words separated by spaces; FILE - reads standard input) or
+      the sentences of treebank files (then also scored against them); prints or writes one tree per line
   score GOLD PRED [--max-length 40]
       labelled bracketing precision, recall and F1 (EVALB COLLINS.prm) of two treebank files
 
 Treebank arguments are paths or quoted globs of Penn Treebank files (.mrg or one tree per line).
 Decoding defaults come from the model's generation_config: Section 6.3's beam 21, alpha 0.3 and
-input length + 300 for a model trained with configs/train/wsj-parse*.yaml.
+input length + 300 for a model trained with configs/train/wsj-parse*.yaml. Decoding is constrained to
+trees by default: every hypothesis is a well-formed tree with exactly one leaf per word (no repair needed;
+the model needs a word-level vocabulary, tokenizer_kind: word). --unconstrained is the paper's plain beam
+search, whose output is repaired into a tree.
 
 examples:
   D=../shared/data/treebank-sample/combined
   vaswani-tx parse run configs/train/wsj-parse-cpu.yaml --train "$D/wsj_00*.mrg" "$D/wsj_01[0-5]?.mrg" \\
       --dev "$D/wsj_016?.mrg" --test "$D/wsj_017?.mrg"
-  vaswani-tx parse predict runs/wsj-parse-cpu/averaged --trees "$D/wsj_017?.mrg" --output parsed.txt
+  vaswani-tx parse predict runs/wsj-parse-cpu/averaged --trees "$D/wsj_017?.mrg" -o parsed.txt
+  echo "The stock rose 5 % yesterday ." | vaswani-tx parse predict runs/wsj-parse-cpu/averaged --sentences -
   vaswani-tx parse score runs/wsj-parse-cpu/test.gold runs/wsj-parse-cpu/test.parsed
 """
 
@@ -28,6 +33,10 @@ import argparse
 from vaswani_tx.cli import fail
 
 INTERMIXED = "overrides"  # key=value may also follow --resume (see vaswani_tx.cli.main)
+UNCONSTRAINED_HELP = (
+    "plain beam search, as the paper, repaired into a tree afterwards (default: constrained decoding, every "
+    "hypothesis a well-formed tree with one leaf per word)"
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -54,17 +63,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--num-beams", type=int, help="beam size for the test set (default: the model's generation config)"
     )
     run_parser.add_argument("--max-length", type=int, help="score only test sentences of at most this many words")
+    run_parser.add_argument("--unconstrained", action="store_true", help=UNCONSTRAINED_HELP)
 
     predict = sub.add_parser("predict", help="parse sentences with a trained model")
     predict.add_argument("model", help="a model folder with its tokenizer")
     source = predict.add_mutually_exclusive_group(required=True)
-    source.add_argument("--sentences", help="file of tokenised sentences, one per line")
+    source.add_argument("--sentences", help="file of tokenised sentences, one per line (- for standard input)")
     source.add_argument(
         "--trees", nargs="+", metavar="TREES", help="treebank files or globs: parse their sentences and score"
     )
     predict.add_argument("-o", "--output", help="write the trees here, one per line (default: print them)")
     predict.add_argument("--num-beams", type=int, help="beam size (default: the model's generation config)")
     predict.add_argument("--batch-size", type=int, default=32, help="sentences per generate() call (default 32)")
+    predict.add_argument("--unconstrained", action="store_true", help=UNCONSTRAINED_HELP)
 
     score = sub.add_parser("score", help="EVALB bracketing scores of predicted trees against gold trees")
     score.add_argument("gold", help="gold treebank file")
@@ -95,6 +106,7 @@ def _print_scores(scores: dict) -> None:
 def run(args: argparse.Namespace) -> int:
     import json
     import logging
+    import sys
 
     from vaswani_tx import parsing
     from vaswani_tx.checkpoints import CheckpointError
@@ -119,25 +131,42 @@ def run(args: argparse.Namespace) -> int:
                 resume=args.resume,
                 num_beams=args.num_beams,
                 max_length=args.max_length,
+                constrained=not args.unconstrained,
             )
             if "parse" in metrics:
                 print(json.dumps(metrics, indent=1))
-                _print_scores(metrics["parse"])
+                scores = metrics["parse"]
+                _print_scores(scores)
+                if "f1_40" in scores:
+                    print(f"bracketing F1 of sentences of <= 40 words {scores['f1_40']:.2f}")
+                print(
+                    f"{'constrained' if scores['constrained'] else 'unconstrained'} beam {scores['num_beams']}; "
+                    f"{scores['seconds'] / 60:.1f} minutes for training and parsing"
+                )
         elif args.action == "predict":
             gold = parsing.read_treebank(args.trees) if args.trees else None
             if args.output:
                 from vaswani_tx.folders import check_writable
 
                 check_writable(args.output, "file")
-            sentences = (
-                [tree.words() for tree in gold] if gold else [line.split() for line in read_lines(args.sentences)]
-            )
+            if gold:
+                sentences = [tree.words() for tree in gold]
+            elif args.sentences == "-":
+                sentences = [line.split() for line in sys.stdin.read().splitlines()]
+            else:
+                sentences = [line.split() for line in read_lines(args.sentences)]
             if not any(sentences):
                 raise ValueError(f"{args.sentences or 'the treebank'} holds no sentence to parse")
             if not all(sentences):
                 blank = next(number for number, words in enumerate(sentences, start=1) if not words)
                 raise ValueError(f"{args.sentences}, line {blank}: empty; give one tokenised sentence per line")
-            trees = parsing.parse(args.model, sentences, num_beams=args.num_beams, batch_size=args.batch_size)
+            trees = parsing.parse(
+                args.model,
+                sentences,
+                num_beams=args.num_beams,
+                batch_size=args.batch_size,
+                constrained=not args.unconstrained,
+            )
             if args.output:
                 parsing.write_trees(trees, args.output)
             else:

@@ -44,14 +44,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--kind",
-        choices=("bpe", "wordpiece"),
+        choices=("bpe", "wordpiece", "word"),
         default="bpe",
-        help="subword algorithm: bpe (paper's EN-DE) or wordpiece (paper's EN-FR); default bpe",
+        help="bpe (paper's EN-DE), wordpiece (paper's EN-FR) or word (whole tokens, e.g. a parser's); default bpe",
     )
     parser.add_argument(
         "--vocab-size",
         type=int,
-        help="number of tokens including special tokens; default 37000 for bpe, 32000 for wordpiece",
+        help="number of tokens including special tokens; default 37000 for bpe, 32000 for wordpiece and word",
     )
     parser.add_argument("--min-frequency", type=int, default=2, help="never merge a pair seen fewer times (default 2)")
     parser.add_argument(
