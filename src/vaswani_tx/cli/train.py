@@ -32,6 +32,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--resume", action="store_true", help="continue from the last checkpoint in output_dir (start fresh if none)"
     )
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="print what the run will do (processes, tokens per step, steps, schedule peak, FLOPs, checkpoints) "
+        "and stop before reading any training data",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -48,6 +54,12 @@ def run(args: argparse.Namespace) -> int:
     arguments = None
     try:
         recipe, arguments = load_run_config(args.config, args.overrides)
+        if args.dry_run:
+            from vaswani_tx.recipe import describe_plan, run_plan
+
+            if arguments.process_index == 0:
+                print(describe_plan(run_plan(recipe, arguments)))
+            return 0
         metrics = train(recipe, arguments, resume=args.resume)
     except (
         ConfigError,
