@@ -310,6 +310,27 @@ def parse(
     return [delinearize(text, words, tags) for text, words in zip(outputs, sentences)]
 
 
+def _check_constrainable(recipe: Any, leaves: str, config: str | os.PathLike) -> None:
+    """Refuse, before training, a run whose vocabulary constrained decoding cannot use (see :func:`parse`)."""
+    from vaswani_tx.tokenization import load_tokenizer
+    from vaswani_tx.tree_decoding import TreeConstraint
+
+    if (Path(recipe.tokenizer) / "tokenizer.json").is_file():
+        tokenizer = load_tokenizer(recipe.tokenizer)
+        try:
+            TreeConstraint(
+                tokenizer.get_vocab(), tokenizer.eos_token_id, [], leaf_ids=[] if leaves == "words" else None
+            )
+        except ValueError as err:
+            raise ValueError(f"tokenizer {recipe.tokenizer}: {err}") from None
+    elif recipe.tokenizer_kind != "word":
+        raise ValueError(
+            f"run config {config}: decoding constrained to trees (the default) needs a word-level vocabulary, "
+            f"and this config trains a {recipe.tokenizer_kind} one: set tokenizer_kind: word, or give "
+            "--unconstrained (the paper's plain beam search, repaired into trees)"
+        )
+
+
 def write_trees(trees: Iterable[Tree], path: str | os.PathLike) -> None:
     """One tree per line (EVALB's input format)."""
     Path(path).parent.mkdir(parents=True, exist_ok=True)
@@ -352,6 +373,8 @@ def run_recipe(
     leaves = (recipe.generation or {}).get("tree_leaves", "XX")
     if leaves not in TREE_LEAVES:
         raise ValueError(f"run config {config}: generation: tree_leaves={leaves!r} is not one of {TREE_LEAVES}")
+    if constrained:  # found now, not after hours of training: the test parse needs whole bracket tokens
+        _check_constrainable(recipe, leaves, config)
     test = read_treebank(test_trees)
     if not test:
         raise ValueError(f"no trees in the test files {' '.join(map(str, test_trees))}")
