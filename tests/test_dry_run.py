@@ -53,3 +53,15 @@ def test_tokens_per_step_out_of_reach_is_refused_with_both_numbers(dev_files, ca
     assert main(["train", str(CONFIG), *dev_files, "max_tokens=4096", "tokens_per_step=3000", "--dry-run"]) == 2
     err = capsys.readouterr().err
     assert "tokens_per_step=3000" in err and "4096" in err
+
+
+def test_overrides_keep_yes_and_no_as_words():
+    from vaswani_tx.recipe import parse_overrides
+
+    assert parse_overrides(["eval_strategy=no", "fp16=true", "save_strategy=No", "max_steps=10", "x="]) == {
+        "eval_strategy": "no",
+        "fp16": True,
+        "save_strategy": "No",
+        "max_steps": 10,
+        "x": None,
+    }

@@ -179,13 +179,16 @@ def _check_numbers(values: dict[str, Any], path: Path) -> None:
 
 
 def parse_overrides(overrides: Sequence[str]) -> dict[str, Any]:
-    """``["max_steps=10", "fp16=true"]`` -> ``{"max_steps": 10, "fp16": True}`` (values read as YAML)."""
+    """``["max_steps=10", "fp16=true", "eval_strategy=no"]`` -> ``{"max_steps": 10, "fp16": True, "eval_strategy":
+    "no"}`` (values read as YAML, except that yes/no/on/off stay words: only true/false are booleans)."""
     values = {}
     for item in overrides:
         key, sep, raw = item.partition("=")
         if not sep or not key:
             raise ConfigError(f"override {item!r} is not key=value")
-        values[key.strip()] = yaml.safe_load(raw) if raw.strip() else None
+        # YAML 1.1 reads yes/no/on/off as booleans; here they stay words (`eval_strategy=no` means "no")
+        word = raw.strip().lower() in ("yes", "no", "on", "off", "y", "n")
+        values[key.strip()] = raw.strip() if word else yaml.safe_load(raw) if raw.strip() else None
     return values
 
 
@@ -555,6 +558,15 @@ def _train(
         recipe.max_tokens,
         *(world * arguments.gradient_accumulation_steps * recipe.max_tokens,) * 2,
     )
+    if world > 1:  # which of accelerate's set-ups shares the work (FSDP: parameters and optimizer state sharded)
+        logger.info("distributed: %s over %s", "FSDP" if trainer.is_fsdp_enabled else "DDP", arguments.device.type)
+    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true" and not trainer.is_fsdp_enabled:
+        # accelerate turns FSDP on for GPUs and other accelerators only; on the CPU it runs plain DDP
+        logger.warning(
+            "the accelerate config asks for FSDP, but accelerate enables FSDP on GPUs and other accelerators only: "
+            "on %s this run is DDP (every process holds the whole model and optimizer state)",
+            arguments.device.type,
+        )
     if checkpoint is not None:
         check_sampler_state(checkpoint, partial(_sampler_state, trainer))
         logger.info("resuming from %s", checkpoint)
@@ -641,8 +653,13 @@ def plot_curves(log_history: Sequence[dict[str, Any]], path: str | os.PathLike) 
 
     # a Figure of its own, not pyplot's: no backend to select, no global figure list to close it from
     parser_f1 = [entry for entry in log_history if "eval_bracket_f1" in entry]
-    figure = Figure(figsize=(16 if parser_f1 else 11, 4))
-    loss_axis, bleu_axis, *f1_axis = figure.subplots(1, 3 if parser_f1 else 2)
+    bleu_steps, bleu = series("eval_sacrebleu")
+    # a panel for each measure the run logged: a parser logs F1, not BLEU (a translation run with no BLEU
+    # during training keeps its empty BLEU panel, as before, so its curves stay where readers look for them)
+    panels = 1 + (not parser_f1 or bool(bleu)) + bool(parser_f1)
+    figure = Figure(figsize=(5.5 * panels, 4))
+    axes = list(figure.subplots(1, panels)) if panels > 1 else [figure.subplots(1, 1)]
+    loss_axis = axes.pop(0)
     for key, label in (("loss", "training loss (label-smoothed)"), ("eval_loss", "dev loss (label-smoothed)")):
         steps, values = series(key)
         if steps:
@@ -652,13 +669,14 @@ def plot_curves(log_history: Sequence[dict[str, Any]], path: str | os.PathLike) 
     if loss_axis.lines:  # a run too short to log a loss draws empty axes, without a legend of nothing
         loss_axis.legend()
     loss_axis.grid(alpha=0.3)
-    steps, values = series("eval_sacrebleu")
-    bleu_axis.plot(steps, values, marker="o", color="tab:green")
-    bleu_axis.set_xlabel("optimizer step")
-    bleu_axis.set_ylabel("dev sacreBLEU")
-    bleu_axis.grid(alpha=0.3)
+    if not parser_f1 or bleu:
+        bleu_axis = axes.pop(0)
+        bleu_axis.plot(bleu_steps, bleu, marker="o", color="tab:green")
+        bleu_axis.set_xlabel("optimizer step")
+        bleu_axis.set_ylabel("dev sacreBLEU")
+        bleu_axis.grid(alpha=0.3)
     if parser_f1:  # the parser's dev bracketing F1 against wall-clock training minutes (Section 6.3)
-        (axis,) = f1_axis
+        axis = axes.pop(0)
         axis.plot(
             [e["train_minutes"] for e in parser_f1],
             [e["eval_bracket_f1"] for e in parser_f1],
@@ -666,7 +684,7 @@ def plot_curves(log_history: Sequence[dict[str, Any]], path: str | os.PathLike) 
             color="tab:red",
         )
         axis.set_xlabel("training minutes")
-        axis.set_ylabel("dev bracketing F1 (EVALB)")
+        axis.set_ylabel("dev bracketing F1 (EVALB, greedy)")
         axis.grid(alpha=0.3)
     figure.tight_layout()
     path = Path(path)

@@ -1,0 +1,81 @@
+"""A compiled training step (`torch_compile: true` in a run config, the Trainer's `torch.compile` of the model)
+gives the eager step's losses and weights on a tiny model (issue 21)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from datasets import Dataset
+from safetensors.torch import load_file
+from transformers import DataCollatorForSeq2Seq, Seq2SeqTrainingArguments
+
+from vaswani_tx import VaswaniConfig, VaswaniForConditionalGeneration
+from vaswani_tx.data import tokenize_pairs
+from vaswani_tx.tokenization import train_tokenizer
+from vaswani_tx.training import VaswaniTrainer
+
+
+@pytest.fixture(scope="module")
+def pairs_and_tokenizer(shared_data, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("compiled")
+    sides = {}
+    for lang in ("en", "de"):
+        lines = (shared_data / "multi30k-en-de" / f"val.{lang}").read_text(encoding="utf-8").splitlines()[:64]
+        (folder / f"train.{lang}").write_text("\n".join(lines) + "\n", encoding="utf-8")
+        sides[lang] = lines
+    tokenizer = train_tokenizer([folder / "train.en", folder / "train.de"], "bpe", 400, show_progress=False)
+    pairs = tokenize_pairs(Dataset.from_dict({"source": sides["en"], "target": sides["de"]}), tokenizer)
+    return pairs, tokenizer
+
+
+def _run(pairs, tokenizer, output_dir, compiled: bool) -> list[float]:
+    torch.manual_seed(0)
+    config = VaswaniConfig(
+        vocab_size=len(tokenizer), d_model=32, d_ff=64, num_heads=4, num_encoder_layers=1, num_decoder_layers=1
+    )
+    config.dropout = 0.0  # compiled and eager kernels draw dropout masks differently
+    model = VaswaniForConditionalGeneration(config)
+    args = Seq2SeqTrainingArguments(
+        output_dir=str(output_dir),
+        max_steps=3,
+        learning_rate=1.0,
+        warmup_steps=4,
+        lr_scheduler_type="inverse_sqrt",
+        label_smoothing_factor=0.1,
+        adam_beta2=0.98,
+        adam_epsilon=1e-9,
+        max_grad_norm=0.0,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        use_cpu=True,
+        disable_tqdm=True,
+        seed=1,
+        torch_compile=compiled,
+        torch_compile_backend="inductor",
+    )
+    trainer = VaswaniTrainer(
+        model=model,
+        args=args,
+        train_dataset=pairs,
+        data_collator=DataCollatorForSeq2Seq(tokenizer, model=model, label_pad_token_id=-100),
+        processing_class=tokenizer,
+        max_tokens=400,
+    )
+    trainer.train()
+    trainer.save_model(str(output_dir))
+    return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+
+
+def test_compiled_and_eager_training_steps_agree(pairs_and_tokenizer, tmp_path):
+    pairs, tokenizer = pairs_and_tokenizer
+    eager = _run(pairs, tokenizer, tmp_path / "eager", compiled=False)
+    compiled = _run(pairs, tokenizer, tmp_path / "compiled", compiled=True)
+    assert len(eager) == len(compiled) == 3
+    assert compiled == pytest.approx(eager, rel=1e-5, abs=1e-5)
+    for name, tensor in load_file(tmp_path / "eager" / "model.safetensors").items():
+        other = load_file(tmp_path / "compiled" / "model.safetensors")[name]
+        torch.testing.assert_close(other, tensor, rtol=1e-4, atol=1e-5, msg=name)
+    assert json.loads((tmp_path / "compiled" / "config.json").read_text())["model_type"] == "vaswani"
