@@ -178,7 +178,7 @@ def test_undecodable_bytes_name_file_and_line(tmp_path):
 
 
 def test_unknown_kind():
-    with pytest.raises(ValueError, match=r"kind must be one of \['bpe', 'wordpiece'\], got 'unigram'"):
+    with pytest.raises(ValueError, match=r"kind must be one of \['bpe', 'word', 'wordpiece'\], got 'unigram'"):
         train_tokenizer([], "unigram")
 
 

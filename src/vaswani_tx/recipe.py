@@ -584,6 +584,15 @@ def _train(
 PARSER_GENERATION_FIELDS = ("tree_leaves",)
 
 
+def end_distributed() -> None:
+    """Leave the process group ``accelerate launch`` set up, if any, before the process exits: a gloo group
+    left to the interpreter's exit can abort it ("terminate called without an active exception")."""
+    import torch.distributed
+
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
 def set_generation_defaults(model, values: dict[str, Any]) -> None:
     """Replace fields of ``model.generation_config`` (the run config's ``generation:`` block, which may also
     name the parser's ``tree_leaves``).

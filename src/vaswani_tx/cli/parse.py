@@ -111,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
     from vaswani_tx import parsing
     from vaswani_tx.checkpoints import CheckpointError
     from vaswani_tx.evaluation import read_lines
-    from vaswani_tx.recipe import ConfigError
+    from vaswani_tx.recipe import ConfigError, end_distributed
 
     for option in ("num_beams", "batch_size", "max_length"):
         value = getattr(args, option, None)
@@ -122,17 +122,20 @@ def run(args: argparse.Namespace) -> int:
     try:
         if args.action == "run":
             _move_overrides(args)
-            metrics = parsing.run_recipe(
-                args.config,
-                args.train,
-                args.dev,
-                args.test,
-                args.overrides,
-                resume=args.resume,
-                num_beams=args.num_beams,
-                max_length=args.max_length,
-                constrained=not args.unconstrained,
-            )
+            try:
+                metrics = parsing.run_recipe(
+                    args.config,
+                    args.train,
+                    args.dev,
+                    args.test,
+                    args.overrides,
+                    resume=args.resume,
+                    num_beams=args.num_beams,
+                    max_length=args.max_length,
+                    constrained=not args.unconstrained,
+                )
+            finally:
+                end_distributed()
             if "parse" in metrics:
                 print(json.dumps(metrics, indent=1))
                 scores = metrics["parse"]

@@ -48,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
 
     from vaswani_tx.checkpoints import CheckpointError, check_checkpoint, checkpoint_folders
     from vaswani_tx.folders import RunLockError
-    from vaswani_tx.recipe import ConfigError, load_run_config, train
+    from vaswani_tx.recipe import ConfigError, end_distributed, load_run_config, train
 
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
     arguments = None
@@ -60,7 +60,10 @@ def run(args: argparse.Namespace) -> int:
             if arguments.process_index == 0:
                 print(describe_plan(run_plan(recipe, arguments)))
             return 0
-        metrics = train(recipe, arguments, resume=args.resume)
+        try:
+            metrics = train(recipe, arguments, resume=args.resume)
+        finally:
+            end_distributed()
     except (
         ConfigError,
         CheckpointError,
