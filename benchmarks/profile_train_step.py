@@ -1,0 +1,80 @@
+"""Where a training step's time goes on the CPU: the main job's model (`configs/model/small-cpu.json`) on batches
+shaped like its Multi30k token-budget batches (issue 21).
+
+    .venv/bin/python benchmarks/profile_train_step.py [--steps 10] [--tokens 2048] [--length 14]
+
+Random token ids (the vocabulary of the model config) in sentences of `--length` tokens, `--tokens` per side per
+batch, as `VaswaniTrainer` builds them; one step is forward, the label-smoothed loss (Section 5.4), backward and
+Adam (Section 5.3). Prints the wall time of each phase and `torch.profiler`'s operators by self CPU time. Times
+depend on the machine and its load: print `uptime` beside them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile, record_function
+
+from vaswani_tx import VaswaniForConditionalGeneration
+from vaswani_tx.params import load_model_config
+from vaswani_tx.training import label_smoothed_loss
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", default=str(REPO / "configs" / "model" / "small-cpu.json"))
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--tokens", type=int, default=2048)
+    parser.add_argument("--length", type=int, default=14)
+    args = parser.parse_args()
+
+    torch.manual_seed(0)
+    config = load_model_config(args.config)
+    model = VaswaniForConditionalGeneration(config).train()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9)
+    sentences = args.tokens // args.length
+    source = torch.randint(4, config.vocab_size, (sentences, args.length))
+    labels = torch.randint(4, config.vocab_size, (sentences, args.length))
+    decoder_input_ids = model.prepare_decoder_input_ids_from_labels(labels=labels)
+    phases = {"forward + loss": 0.0, "backward": 0.0, "optimizer": 0.0}
+
+    def step(timed: bool) -> None:
+        started = time.perf_counter()
+        with record_function("forward + loss"):
+            # as the Trainer calls it with a label smoother: labels popped, the collator's decoder inputs
+            logits = model(input_ids=source, decoder_input_ids=decoder_input_ids).logits
+            loss = label_smoothed_loss(logits, labels, 0.1)
+        forward = time.perf_counter()
+        with record_function("backward"):
+            loss.backward()
+        backward = time.perf_counter()
+        with record_function("optimizer"):
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        if timed:
+            phases["forward + loss"] += forward - started
+            phases["backward"] += backward - forward
+            phases["optimizer"] += time.perf_counter() - backward
+
+    for _ in range(3):  # allocator and thread pools warm
+        step(False)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(args.steps):
+            step(True)
+    total = sum(phases.values())
+    print(
+        f"{config.d_model=} {config.num_encoder_layers=} {config.vocab_size=}; {sentences} sentences x {args.length} tokens"
+    )
+    print(f"threads {torch.get_num_threads()}; mean step {total / args.steps * 1000:.0f} ms")
+    for name, seconds in phases.items():
+        print(f"  {name:15s} {seconds / args.steps * 1000:7.1f} ms  {100 * seconds / total:5.1f}%")
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=18, max_name_column_width=40))
+
+
+if __name__ == "__main__":
+    main()
