@@ -1,7 +1,7 @@
 """Where a training step's time goes on the CPU: the main job's model (`configs/model/small-cpu.json`) on batches
 shaped like its Multi30k token-budget batches (issue 21).
 
-    .venv/bin/python benchmarks/profile_train_step.py [--steps 10] [--tokens 2048] [--length 14]
+    .venv/bin/python benchmarks/profile_train_step.py [--steps 10] [--tokens 2048] [--length 14] [--compile]
 
 Random token ids (the vocabulary of the model config) in sentences of `--length` tokens, `--tokens` per side per
 batch, as `VaswaniTrainer` builds them; one step is forward, the label-smoothed loss (Section 5.4), backward and
@@ -31,12 +31,16 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--tokens", type=int, default=2048)
     parser.add_argument("--length", type=int, default=14)
+    parser.add_argument(
+        "--compile", action="store_true", help="torch.compile the model first (as the run config's torch_compile)"
+    )
     args = parser.parse_args()
 
     torch.manual_seed(0)
     config = load_model_config(args.config)
     model = VaswaniForConditionalGeneration(config).train()
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9)
+    forward_model = torch.compile(model) if args.compile else model  # compiled on the first warm-up step
     sentences = args.tokens // args.length
     source = torch.randint(4, config.vocab_size, (sentences, args.length))
     labels = torch.randint(4, config.vocab_size, (sentences, args.length))
@@ -47,7 +51,7 @@ def main() -> None:
         started = time.perf_counter()
         with record_function("forward + loss"):
             # as the Trainer calls it with a label smoother: labels popped, the collator's decoder inputs
-            logits = model(input_ids=source, decoder_input_ids=decoder_input_ids).logits
+            logits = forward_model(input_ids=source, decoder_input_ids=decoder_input_ids).logits
             loss = label_smoothed_loss(logits, labels, 0.1)
         forward = time.perf_counter()
         with record_function("backward"):
@@ -70,7 +74,8 @@ def main() -> None:
     print(
         f"{config.d_model=} {config.num_encoder_layers=} {config.vocab_size=}; {sentences} sentences x {args.length} tokens"
     )
-    print(f"threads {torch.get_num_threads()}; mean step {total / args.steps * 1000:.0f} ms")
+    compiled = "compiled" if args.compile else "eager"
+    print(f"{compiled}; threads {torch.get_num_threads()}; mean step {total / args.steps * 1000:.0f} ms")
     for name, seconds in phases.items():
         print(f"  {name:15s} {seconds / args.steps * 1000:7.1f} ms  {100 * seconds / total:5.1f}%")
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=18, max_name_column_width=40))
