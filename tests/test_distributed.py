@@ -17,9 +17,8 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
-from safetensors.torch import load_file
 
+from run_comparison import assert_same_run
 from vaswani_tx import VaswaniConfig
 
 REPO = Path(__file__).resolve().parents[1]
@@ -100,11 +99,6 @@ def _train(
     return result
 
 
-def _losses(run_dir: Path) -> list[tuple[int, float]]:
-    history = json.loads((run_dir / "log_history.json").read_text(encoding="utf-8"))
-    return [(entry["step"], entry["loss"]) for entry in history if "loss" in entry]
-
-
 @pytest.fixture(scope="module")
 def one_process(stand_in, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("one") / "run"
@@ -114,22 +108,11 @@ def one_process(stand_in, tmp_path_factory) -> Path:
     return out
 
 
-def _assert_same_run(one: Path, two: Path) -> None:
-    one_losses, two_losses = _losses(one), _losses(two)
-    assert [step for step, _ in one_losses] == [step for step, _ in two_losses] == [1, 2, 3, 4]
-    for (_, a), (_, b) in zip(one_losses, two_losses, strict=True):
-        assert a == pytest.approx(b, rel=1e-5, abs=1e-5)
-    weights_one, weights_two = load_file(one / "model.safetensors"), load_file(two / "model.safetensors")
-    assert weights_one.keys() == weights_two.keys()
-    for name, tensor in weights_one.items():
-        torch.testing.assert_close(weights_two[name], tensor, rtol=1e-5, atol=1e-5, msg=name)
-
-
 def test_ddp_config_on_two_cpu_processes_equals_one_process(stand_in, one_process, tmp_path):
     result = _train(stand_in, tmp_path / "ddp", "ddp-8gpu.yaml")
     assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
     assert "processes: 2, gradient accumulation: 1" in result.stdout + result.stderr
-    _assert_same_run(one_process, tmp_path / "ddp")
+    assert_same_run(one_process, tmp_path / "ddp", [1, 2, 3, 4])
 
 
 def test_fsdp_config_on_two_cpu_processes(stand_in, one_process, tmp_path):
@@ -145,4 +128,4 @@ def test_fsdp_config_on_two_cpu_processes(stand_in, one_process, tmp_path):
     assert result.returncode == 0, output[-3000:]
     assert "processes: 2, gradient accumulation: 1" in output
     assert "asks for FSDP, but accelerate enables FSDP on GPUs and other accelerators only" in output
-    _assert_same_run(one_process, tmp_path / "fsdp")
+    assert_same_run(one_process, tmp_path / "fsdp", [1, 2, 3, 4])

@@ -21,6 +21,7 @@ import yaml
 from safetensors.torch import load_file
 
 import vaswani_tx  # noqa: F401  (registers the Auto classes)
+from run_comparison import assert_same_run, losses
 from vaswani_tx.checkpoints import (
     SAMPLER_STATE_NAME,
     CheckpointError,
@@ -252,11 +253,6 @@ def _finish(process: subprocess.Popen, timeout: float = 300) -> str:
     return output
 
 
-def _losses(run_dir: Path) -> list[tuple[int, float]]:
-    history = json.loads((run_dir / "log_history.json").read_text(encoding="utf-8"))
-    return [(entry["step"], entry["loss"]) for entry in history if "loss" in entry]
-
-
 def test_kill_9_then_resume_equals_an_uninterrupted_run_bit_for_bit(tiny_recipe, tmp_path):
     values = {**tiny_recipe, "max_steps": 40, "save_steps": 10, "save_total_limit": 3}
     whole = tmp_path / "whole"
@@ -278,8 +274,8 @@ def test_kill_9_then_resume_equals_an_uninterrupted_run_bit_for_bit(tiny_recipe,
 
     output = _finish(_cli("train", str(config), "--resume"))
     assert "resuming from" in output, output[-2000:]
-    assert _losses(broken) == _losses(whole), f"checkpoints at the kill: {killed_at}"
-    assert len(_losses(whole)) == 40
+    assert losses(broken) == losses(whole), f"checkpoints at the kill: {killed_at}"
+    assert len(losses(whole)) == 40
     assert load_file(broken / "model.safetensors").keys() == load_file(whole / "model.safetensors").keys()
     for name, tensor in load_file(whole / "model.safetensors").items():
         assert torch.equal(load_file(broken / "model.safetensors")[name], tensor), name
@@ -342,14 +338,8 @@ def test_two_processes_equal_one_process_with_the_same_global_batch(tiny_recipe,
     )
     assert process.returncode == 0, (process.stdout + process.stderr)[-3000:]
     assert "processes: 2, gradient accumulation: 1, max_tokens: 160" in process.stdout + process.stderr
-    one_losses, two_losses = _losses(one), _losses(two)
-    assert [s for s, _ in one_losses] == [s for s, _ in two_losses] == [1, 2, 3, 4]
-    for (_, a), (_, b) in zip(one_losses, two_losses, strict=True):
-        assert a == pytest.approx(b, rel=1e-5, abs=1e-5)
-    weights_one, weights_two = load_file(one / "model.safetensors"), load_file(two / "model.safetensors")
-    assert weights_one.keys() == weights_two.keys()
-    for name, tensor in weights_one.items():
-        torch.testing.assert_close(weights_two[name], tensor, rtol=1e-5, atol=1e-5, msg=name)
+    assert_same_run(one, two, [1, 2, 3, 4])
+    weights_one = load_file(one / "model.safetensors")
     # and training moved the weights: equal because both trained the same way, not because neither did
     torch.manual_seed(3)
     initial = VaswaniForConditionalGeneration(_tiny_config(500, 0.0)).state_dict()
@@ -549,8 +539,8 @@ def test_bf16_training_steps_stay_finite(tiny_recipe, tmp_path):
     values = {**tiny_recipe, "max_steps": 3, "save_strategy": "no", "bf16": True, "output_dir": str(tmp_path / "o")}
     recipe, arguments = load_run_config(_write_config(tmp_path / "c.yaml", values))
     train(recipe, arguments)
-    losses = [loss for _, loss in _losses(tmp_path / "o")]
-    assert len(losses) == 3 and all(math.isfinite(loss) and loss > 0 for loss in losses)
+    logged = [loss for _, loss in losses(tmp_path / "o")]
+    assert len(logged) == 3 and all(math.isfinite(loss) and loss > 0 for loss in logged)
 
 
 def test_evaluation_logs_dev_loss_bleu_and_the_signature(tiny_recipe, tmp_path, caplog):
@@ -602,7 +592,7 @@ def test_resuming_a_finished_run_trains_no_further_step(tiny_recipe, tmp_path):
     metrics = train(recipe, arguments, resume=True)
     assert metrics["global_step"] == 2
     assert [p.name for p in (tmp_path / "run").glob("checkpoint-*")] == ["checkpoint-2"]
-    assert [step for step, _ in _losses(tmp_path / "run")] == [1, 2]
+    assert [step for step, _ in losses(tmp_path / "run")] == [1, 2]
     after = load_file(tmp_path / "run" / "model.safetensors")
     assert all(torch.equal(after[name], tensor) for name, tensor in before.items())
 

@@ -295,14 +295,16 @@ def average_checkpoints(checkpoints: Sequence[str | os.PathLike], output_dir: st
     return output_dir
 
 
-def complete_checkpoints(run_dir: str | os.PathLike, warn: Callable[[str], Any] = logger.warning) -> list[Path]:
-    """The run's checkpoint folders whose model is complete (config and weights), oldest first. One left
-    incomplete by a run killed while saving it is skipped, as ``train --resume`` skips it, and ``warn``
-    is called with a line that says so."""
+def complete_checkpoints(
+    run_dir: str | os.PathLike, warn: Callable[[str], Any] = logger.warning, for_resume: bool = False
+) -> list[Path]:
+    """The run's checkpoint folders whose model is complete (config and weights; ``for_resume``: the
+    optimizer, scheduler and RNG files too), oldest first. One left incomplete by a run killed while saving
+    it is skipped, as ``train --resume`` skips it, and ``warn`` is called with a line that says so."""
     complete = []
     for folder in checkpoint_folders(run_dir):
         try:
-            check_checkpoint(folder, for_resume=False)
+            check_checkpoint(folder, for_resume=for_resume)
             complete.append(folder)
         except CheckpointError as err:
             warn(f"skipping {folder.name}: {err}")

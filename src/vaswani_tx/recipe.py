@@ -430,11 +430,12 @@ def _load_prepared(folder: str, tokenizer):
     record = Path(folder) / data.PREPARED_DATA_RECORD
     if record.is_file():
         encoded_with = json.loads(record.read_text(encoding="utf-8"))
-        if encoded_with.get("tokenizer_fingerprint") != vocabulary_fingerprint(tokenizer):
+        fingerprint = vocabulary_fingerprint(tokenizer)
+        if encoded_with.get("tokenizer_fingerprint") != fingerprint:
             raise ConfigError(
                 f"train_dataset: {folder} was encoded with the tokenizer {encoded_with.get('tokenizer')} "
                 f"({encoded_with.get('tokenizer_fingerprint')}), not with this run's tokenizer "
-                f"({vocabulary_fingerprint(tokenizer)}): give that tokenizer, or prepare the data again with this one"
+                f"({fingerprint}): give that tokenizer, or prepare the data again with this one"
             )
     logger.info("training pairs: %d from %s (prepared by `vaswani-tx prepare-data`)", dataset.num_rows, folder)
     return dataset

@@ -312,9 +312,10 @@ def check_tokenizer_fits_model(tokenizer: Any, config: Any) -> None:
         named = ", ".join(f"{name} {value}" for name, value in specials.items() if value is not None)
         clashes.append(f"decoder_start_token_id: config has {start}, which is none of the tokenizer's {named}")
     recorded = getattr(config, "tokenizer_fingerprint", None)
-    if recorded and not clashes and recorded != vocabulary_fingerprint(tokenizer):
+    fingerprint = vocabulary_fingerprint(tokenizer) if recorded and not clashes else recorded
+    if fingerprint != recorded:
         clashes.append(
-            f"tokenizer_fingerprint: config has {recorded}, tokenizer has {vocabulary_fingerprint(tokenizer)} "
+            f"tokenizer_fingerprint: config has {recorded}, tokenizer has {fingerprint} "
             "(a vocabulary of the same size but other tokens: the tokenizer of another model)"
         )
     if clashes:

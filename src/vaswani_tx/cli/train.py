@@ -46,7 +46,7 @@ def run(args: argparse.Namespace) -> int:
     import os
     import sys
 
-    from vaswani_tx.checkpoints import CheckpointError, check_checkpoint, checkpoint_folders
+    from vaswani_tx.checkpoints import CheckpointError, complete_checkpoints
     from vaswani_tx.folders import RunLockError
     from vaswani_tx.recipe import ConfigError, end_distributed, load_run_config, train
 
@@ -75,14 +75,12 @@ def run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         if arguments is None or arguments.process_index != 0:
             return 130
-        found = checkpoint_folders(arguments.output_dir) if os.path.isdir(arguments.output_dir) else []
-        complete = []
-        for folder in found:  # one being written at the Ctrl-C is incomplete; --resume skips it too
-            try:
-                check_checkpoint(folder)
-                complete.append(folder)
-            except CheckpointError:
-                pass
+        # one being written at the Ctrl-C is incomplete; --resume skips it too
+        complete = (
+            complete_checkpoints(arguments.output_dir, warn=lambda line: None, for_resume=True)
+            if os.path.isdir(arguments.output_dir)
+            else []
+        )
         saved = f"the last checkpoint saved is {complete[-1]}" if complete else "no checkpoint was saved yet"
         print(
             f"vaswani-tx train: interrupted; {saved}. Continue with: vaswani-tx train {args.config} "
