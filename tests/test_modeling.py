@@ -412,6 +412,29 @@ def test_generate_with_cache_equals_without(num_beams):
     torch.testing.assert_close(model.generate(**kwargs, use_cache=True), model.generate(**kwargs, use_cache=False))
 
 
+def test_each_cached_decoding_step_sees_the_whole_prefix():
+    """The logits generate() acts on at each step equal one forward over the prefix it had then. A random model
+    often picks the same tokens whatever it sees, so equal outputs alone would not show that the cache reaches
+    forward (transformers 5.24 renamed generate()'s `past_key_values` argument to `cache`; a forward that dropped
+    it decoded each new token without its prefix)."""
+    model = tiny_model()
+    ids, mask = batch()
+    out = model.generate(
+        input_ids=ids,
+        attention_mask=mask,
+        num_beams=1,
+        max_new_tokens=8,
+        output_logits=True,
+        return_dict_in_generate=True,
+    )
+    stepped = torch.stack(out.logits, dim=1)  # (B, steps, V)
+    with torch.no_grad():
+        full = model(
+            input_ids=ids, attention_mask=mask, decoder_input_ids=out.sequences[:, :-1], use_cache=False
+        ).logits
+    torch.testing.assert_close(stepped, full, rtol=1e-4, atol=1e-4)
+
+
 def test_beam_scores_use_the_gnmt_penalty():
     model = tiny_model()
     ids, mask = batch(lengths=(6,))

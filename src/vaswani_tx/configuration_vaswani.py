@@ -66,7 +66,10 @@ class VaswaniConfig(PreTrainedConfig):
     """
 
     model_type = "vaswani"
-    keys_to_ignore_at_inference = ["past_key_values"]
+    keys_to_ignore_at_inference = [
+        "cache",
+        "past_key_values",
+    ]  # the cache, named as transformers >= 5.24 and < 5.24 do
     attribute_map = {
         "hidden_size": "d_model",
         "num_attention_heads": "num_heads",

@@ -169,13 +169,14 @@ class VaswaniGenerationMixin(GenerationMixin):
         """transformers' cache, except that a static one becomes a `StaticDecodingCache`, which carries
         whether its decoding step is compiled (`disable_compile` in the generation config)."""
         super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
-        cache = model_kwargs.get("past_key_values")
-        if is_static_cache(cache) and not isinstance(cache, StaticDecodingCache):
-            model_kwargs["past_key_values"] = StaticDecodingCache(
-                cache.self_attention_cache,
-                cache.cross_attention_cache,
-                compile=not generation_config.disable_compile,
-            )
+        for name in ("cache", "past_key_values"):  # transformers 5.24 renamed it; earlier 5.x releases use the second
+            cache = model_kwargs.get(name)
+            if is_static_cache(cache) and not isinstance(cache, StaticDecodingCache):
+                model_kwargs[name] = StaticDecodingCache(
+                    cache.self_attention_cache,
+                    cache.cross_attention_cache,
+                    compile=not generation_config.disable_compile,
+                )
 
     def _valid_auto_compile_criteria(self, model_kwargs: dict, generation_config: GenerationConfig) -> bool:
         """Never compile the whole forward (transformers would, on GPU, with a static cache): the static-cache

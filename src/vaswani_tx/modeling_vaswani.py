@@ -63,6 +63,24 @@ from .generation_vaswani import VaswaniGenerationMixin, paper_generation_config
 from .pipeline_vaswani import CUSTOM_PIPELINES
 from .static_decoding import StaticDecodingCache, decode_with_static_cache, is_static_cache, reorder_static_cache
 
+# transformers 5.24 renamed the decoding cache `past_key_values` -> `cache`, in generate()'s calls to forward and in
+# the output classes (the old name is a deprecated alias). The model takes either name and writes its outputs
+# under whichever the installed transformers declares, so one saved model decodes with old and new releases.
+CACHE_FIELD = "cache" if "cache" in Seq2SeqLMOutput.__dataclass_fields__ else "past_key_values"
+
+
+def one_cache(past_key_values: Cache | None, cache: Cache | None) -> Cache | None:
+    """The decoding cache a caller passed, under the old name or the new one (never both)."""
+    if past_key_values is not None and cache is not None:
+        raise ValueError("Pass the decoding cache as `cache` or as `past_key_values`, not both.")
+    return cache if cache is not None else past_key_values
+
+
+def output_cache(output) -> Cache | None:
+    """The cache a model output carries, read under the installed transformers' name for it."""
+    return getattr(output, CACHE_FIELD)
+
+
 # ---------------------------------------------------------------------------------------------------
 # 3.5 Positional encoding
 # ---------------------------------------------------------------------------------------------------
@@ -623,7 +641,7 @@ class Decoder(nn.Module):
                 all_cross.append(cross_weights)
         output = BaseModelOutputWithPastAndCrossAttentions(
             last_hidden_state=hidden_states,
-            past_key_values=past_key_values,
+            **{CACHE_FIELD: past_key_values},
             hidden_states=tuple(all_hidden) if output_hidden_states else None,
             attentions=tuple(all_self) if output_attentions else None,
             cross_attentions=tuple(all_cross) if output_attentions else None,
@@ -724,10 +742,13 @@ class VaswaniModel(VaswaniPreTrainedModel):
         output_hidden_states: bool | None = None,
         return_dict: bool | None = None,
         padding: PaddingPlan | None = None,
+        cache: Cache | None = None,
         **kwargs,
     ) -> Seq2SeqModelOutput | tuple:
         """`padding`: the `PaddingPlan` of VaswaniForConditionalGeneration's forward, which knows the labels;
-        without one, the encoder and the decoder each plan from their masks."""
+        without one, the encoder and the decoder each plan from their masks. `cache` is `past_key_values` under
+        the name transformers uses from 5.24 on."""
+        past_key_values = one_cache(past_key_values, cache)
         if decoder_input_ids is None and decoder_inputs_embeds is None:
             raise ValueError(
                 "Pass decoder_input_ids (the target shifted right, starting with decoder_start_token_id="
@@ -764,7 +785,7 @@ class VaswaniModel(VaswaniPreTrainedModel):
         )
         output = Seq2SeqModelOutput(
             last_hidden_state=decoder_outputs.last_hidden_state,
-            past_key_values=decoder_outputs.past_key_values,
+            **{CACHE_FIELD: output_cache(decoder_outputs)},
             decoder_hidden_states=decoder_outputs.hidden_states,
             decoder_attentions=decoder_outputs.attentions,
             cross_attentions=decoder_outputs.cross_attentions,
@@ -835,8 +856,10 @@ class VaswaniForConditionalGeneration(VaswaniPreTrainedModel, VaswaniGenerationM
         output_attentions: bool | None = None,
         output_hidden_states: bool | None = None,
         return_dict: bool | None = None,
+        cache: Cache | None = None,
         **kwargs,
     ) -> Seq2SeqLMOutput | tuple:
+        past_key_values = one_cache(past_key_values, cache)  # generate() passes `cache` from transformers 5.24 on
         return_dict = self.config.return_dict if return_dict is None else return_dict
         if input_ids is not None and attention_mask is None and self.config.pad_token_id is not None:
             attention_mask = input_ids.ne(self.config.pad_token_id).long()
@@ -899,7 +922,7 @@ class VaswaniForConditionalGeneration(VaswaniPreTrainedModel, VaswaniGenerationM
         output = Seq2SeqLMOutput(
             loss=loss,
             logits=logits,
-            past_key_values=outputs.past_key_values,
+            **{CACHE_FIELD: output_cache(outputs)},
             decoder_hidden_states=outputs.decoder_hidden_states,
             decoder_attentions=outputs.decoder_attentions,
             cross_attentions=outputs.cross_attentions,
@@ -982,7 +1005,7 @@ class VaswaniForConditionalGeneration(VaswaniPreTrainedModel, VaswaniGenerationM
             self, decoder_input_ids, encoder_hidden_states, attention_mask, past_key_values
         )
         return Seq2SeqLMOutput(
-            logits=logits, past_key_values=past_key_values, encoder_last_hidden_state=encoder_hidden_states
+            logits=logits, encoder_last_hidden_state=encoder_hidden_states, **{CACHE_FIELD: past_key_values}
         )
 
     def _project(self, hidden: torch.Tensor) -> torch.Tensor:
