@@ -1,7 +1,7 @@
 """Where a training step's time goes on the CPU: the main job's model (`configs/model/small-cpu.json`) on batches
 shaped like its Multi30k token-budget batches (issue 21).
 
-    .venv/bin/python benchmarks/profile_train_step.py [--steps 10] [--tokens 2048] [--length 14] [--compile]
+    .venv/bin/python benchmarks/profile_train_step.py [--steps 10] [--tokens 2048] [--length 14] [--compile] [--bf16]
 
 Random token ids (the vocabulary of the model config) in sentences of `--length` tokens, `--tokens` per side per
 batch, as `VaswaniTrainer` builds them; one step is forward, the label-smoothed loss (Section 5.4), backward and
@@ -34,6 +34,11 @@ def main() -> None:
     parser.add_argument(
         "--compile", action="store_true", help="torch.compile the model first (as the run config's torch_compile)"
     )
+    parser.add_argument(
+        "--bf16",
+        action="store_true",
+        help="forward and loss under CPU autocast to bfloat16 (as the run config's bf16: true); weights stay float32",
+    )
     args = parser.parse_args()
 
     torch.manual_seed(0)
@@ -49,7 +54,7 @@ def main() -> None:
 
     def step(timed: bool) -> None:
         started = time.perf_counter()
-        with record_function("forward + loss"):
+        with record_function("forward + loss"), torch.autocast("cpu", torch.bfloat16, enabled=args.bf16):
             # as the Trainer calls it with a label smoother: labels popped, the collator's decoder inputs
             logits = forward_model(input_ids=source, decoder_input_ids=decoder_input_ids).logits
             loss = label_smoothed_loss(logits, labels, 0.1)
@@ -74,7 +79,7 @@ def main() -> None:
     print(
         f"{config.d_model=} {config.num_encoder_layers=} {config.vocab_size=}; {sentences} sentences x {args.length} tokens"
     )
-    compiled = "compiled" if args.compile else "eager"
+    compiled = ("compiled" if args.compile else "eager") + (", bf16 autocast" if args.bf16 else ", float32")
     print(f"{compiled}; threads {torch.get_num_threads()}; mean step {total / args.steps * 1000:.0f} ms")
     for name, seconds in phases.items():
         print(f"  {name:15s} {seconds / args.steps * 1000:7.1f} ms  {100 * seconds / total:5.1f}%")
