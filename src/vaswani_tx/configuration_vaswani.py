@@ -66,10 +66,8 @@ class VaswaniConfig(PreTrainedConfig):
     """
 
     model_type = "vaswani"
-    keys_to_ignore_at_inference = [
-        "cache",
-        "past_key_values",
-    ]  # the cache, named as transformers >= 5.24 and < 5.24 do
+    # the decoding cache, as transformers >= 5.24 and earlier 5.x releases name it
+    keys_to_ignore_at_inference = ["cache", "past_key_values"]
     attribute_map = {
         "hidden_size": "d_model",
         "num_attention_heads": "num_heads",

@@ -20,8 +20,13 @@ from __future__ import annotations
 import torch
 from transformers import GenerationConfig, GenerationMixin
 from transformers.generation.logits_process import LogitsProcessor, LogitsProcessorList
+from transformers.modeling_outputs import Seq2SeqLMOutput
 
 from .static_decoding import StaticDecodingCache, is_static_cache
+
+# transformers 5.24 renamed the decoding cache `past_key_values` -> `cache`, in generate()'s model kwargs, its calls to
+# forward and the output classes (the old name is a deprecated alias). This is the installed release's name for it.
+CACHE_FIELD = "cache" if "cache" in Seq2SeqLMOutput.__dataclass_fields__ else "past_key_values"
 
 
 class GNMTLengthPenalty(float):
@@ -169,14 +174,13 @@ class VaswaniGenerationMixin(GenerationMixin):
         """transformers' cache, except that a static one becomes a `StaticDecodingCache`, which carries
         whether its decoding step is compiled (`disable_compile` in the generation config)."""
         super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
-        for name in ("cache", "past_key_values"):  # transformers 5.24 renamed it; earlier 5.x releases use the second
-            cache = model_kwargs.get(name)
-            if is_static_cache(cache) and not isinstance(cache, StaticDecodingCache):
-                model_kwargs[name] = StaticDecodingCache(
-                    cache.self_attention_cache,
-                    cache.cross_attention_cache,
-                    compile=not generation_config.disable_compile,
-                )
+        cache = model_kwargs.get(CACHE_FIELD)
+        if is_static_cache(cache) and not isinstance(cache, StaticDecodingCache):
+            model_kwargs[CACHE_FIELD] = StaticDecodingCache(
+                cache.self_attention_cache,
+                cache.cross_attention_cache,
+                compile=not generation_config.disable_compile,
+            )
 
     def _valid_auto_compile_criteria(self, model_kwargs: dict, generation_config: GenerationConfig) -> bool:
         """Never compile the whole forward (transformers would, on GPU, with a static cache): the static-cache

@@ -59,14 +59,12 @@ from transformers.modeling_outputs import (
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .configuration_vaswani import VaswaniConfig
-from .generation_vaswani import VaswaniGenerationMixin, paper_generation_config
+from .generation_vaswani import CACHE_FIELD, VaswaniGenerationMixin, paper_generation_config
 from .pipeline_vaswani import CUSTOM_PIPELINES
 from .static_decoding import StaticDecodingCache, decode_with_static_cache, is_static_cache, reorder_static_cache
 
-# transformers 5.24 renamed the decoding cache `past_key_values` -> `cache`, in generate()'s calls to forward and in
-# the output classes (the old name is a deprecated alias). The model takes either name and writes its outputs
-# under whichever the installed transformers declares, so one saved model decodes with old and new releases.
-CACHE_FIELD = "cache" if "cache" in Seq2SeqLMOutput.__dataclass_fields__ else "past_key_values"
+# The model takes the decoding cache under either name (CACHE_FIELD: transformers 5.24 renamed it) and writes its
+# outputs under the installed release's, so one saved model decodes with old and new releases.
 
 
 def one_cache(past_key_values: Cache | None, cache: Cache | None) -> Cache | None:
