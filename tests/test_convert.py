@@ -32,8 +32,8 @@ from vaswani_tx.convert import (
     convert,
     fairseq_to_vaswani,
     marian_to_vaswani,
-    vaswani_to_marian,
 )
+from vaswani_tx.export import vaswani_to_marian
 from vaswani_tx.tokenization import check_tokenizer_fits_model, vocabulary_fingerprint
 
 EN = [

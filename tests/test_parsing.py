@@ -302,7 +302,7 @@ def test_evaluate_module_gives_the_same_scores():
 def test_parser_configs_are_section_6_3():
     from vaswani_tx.paper import PARSER_GENERATION
     from vaswani_tx.params import load_model_config
-    from vaswani_tx.recipe import load_run_config
+    from vaswani_tx.run_config import load_run_config
 
     wsj = load_model_config(REPO / "configs" / "model" / "parser-wsj.json")
     assert (wsj.num_encoder_layers, wsj.num_decoder_layers, wsj.d_model, wsj.vocab_size) == (4, 4, 1024, 16000)
@@ -332,17 +332,18 @@ def test_parser_configs_are_section_6_3():
 def test_generation_block_becomes_the_saved_generation_config(tmp_path):
     from vaswani_tx import VaswaniConfig, VaswaniForConditionalGeneration
     from vaswani_tx.paper import PARSER_GENERATION
-    from vaswani_tx.recipe import ConfigError, set_generation_defaults
+    from vaswani_tx.parse_run import set_parser_generation_defaults
+    from vaswani_tx.run_config import ConfigError
 
     model = VaswaniForConditionalGeneration(
         VaswaniConfig(vocab_size=40, d_model=16, num_heads=2, d_ff=24, num_encoder_layers=1, num_decoder_layers=1)
     )
-    set_generation_defaults(model, {**PARSER_GENERATION, "tree_leaves": "words"})  # the parser's own field too
+    set_parser_generation_defaults(model, {**PARSER_GENERATION, "tree_leaves": "words"})  # the parser's own field too
     model.save_pretrained(tmp_path)
     saved = json.loads((tmp_path / "generation_config.json").read_text())
     assert {key: saved[key] for key in PARSER_GENERATION} == PARSER_GENERATION and saved["tree_leaves"] == "words"
     with pytest.raises(ConfigError, match="num_beam"):
-        set_generation_defaults(model, {"num_beam": 21})
+        set_parser_generation_defaults(model, {"num_beam": 21})
 
 
 # --- the command, end to end on tiny trees ---------------------------------------------------------------------

@@ -33,7 +33,8 @@ from vaswani_tx.checkpoints import (
 from vaswani_tx.configuration_vaswani import VaswaniConfig
 from vaswani_tx.modeling_vaswani import VaswaniForConditionalGeneration
 from vaswani_tx.params import load_model_config
-from vaswani_tx.recipe import ConfigError, load_run_config, train
+from vaswani_tx.recipe import train
+from vaswani_tx.run_config import ConfigError, load_run_config
 from vaswani_tx.training import get_paper_schedule, label_smoothed_loss, paper_learning_rate
 
 REPO = Path(__file__).resolve().parents[1]

@@ -8,9 +8,9 @@ import math
 import pytest
 import torch
 
-from vaswani_tx.parsing import delinearize, parse
+from vaswani_tx.parsing import delinearize
 from vaswani_tx.translation import load_translator
-from vaswani_tx.tree_decoding import TreeConstraint
+from vaswani_tx.tree_decoding import TreeConstraint, parse
 
 # a word-level parser vocabulary: specials, brackets, the leaf, and words that must never be generated
 TOKENS = ["<pad>", "<unk>", "<s>", "</s>", "(S", ")S", "(NP", ")NP", "(VP", ")VP", "XX", "dog", "runs", "the", "."]

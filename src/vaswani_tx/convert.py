@@ -1,9 +1,10 @@
-"""Published checkpoints in and out: MarianMT (OPUS-MT), FSMT and fairseq Transformers to vaswani_tx, and back to Marian.
+"""Published checkpoints in: MarianMT (OPUS-MT), FSMT and fairseq Transformers to vaswani_tx.
 
 `convert(source, out)` turns a MarianMTModel folder, an FSMTForConditionalGeneration folder, or a
 fairseq checkpoint (with its `dict.*.txt` and BPE codes) into a vaswani_tx model folder whose logits
-and translations are the source model's; `export_marian(model, out)` writes one of ours as a
-MarianMTModel folder. The `vaswani-tx convert` and `vaswani-tx export-marian` commands call them.
+and translations are the source model's; the `vaswani-tx convert` command calls it. The way back to
+Marian (`export_marian`) is with the other exports in `vaswani_tx.export`, and uses the layout mapping
+defined here (`marian_hidden_permutation`, `layer_tensor_map`, `permute_hidden`).
 
 What differs, and how each difference is handled (options default to the paper; see VaswaniConfig):
 
@@ -36,6 +37,7 @@ from typing import Any
 import torch
 
 from .configuration_vaswani import VaswaniConfig
+from .errors import UserInputError
 from .fairseq_checkpoint import CheckpointError, checkpoint_settings, load_checkpoint, read_dictionary
 from .generation_vaswani import fairseq_generation_config
 from .modeling_vaswani import VaswaniForConditionalGeneration
@@ -44,12 +46,12 @@ from .tokenization import vocabulary_fingerprint
 from .tokenization_fairseq import FairseqTokenizer
 
 
-class ConversionError(ValueError):
+class ConversionError(UserInputError):
     """A source model that cannot be converted exactly; the message names the field, its value and why."""
 
 
 # ---------------------------------------------------------------------------------------------------
-# The hidden-dimension permutation and the per-layer names
+# The hidden-dimension permutation and the per-layer names (both directions: export.py's Marian export too)
 # ---------------------------------------------------------------------------------------------------
 
 
@@ -72,7 +74,7 @@ _SUBLAYERS = {
 }
 
 
-def _layer_tensors(config: VaswaniConfig) -> list[tuple[str, str, str]]:
+def layer_tensor_map(config: VaswaniConfig) -> list[tuple[str, str, str]]:
     """(our key, their key without prefix, how the hidden dimension enters) for every layer tensor.
     `reads`: the weight's input is the hidden state (permute columns); `writes`: its output is (permute
     rows); `vector`: a hidden-sized vector (permute it); `inner`: no hidden dimension."""
@@ -106,7 +108,9 @@ def _layer_tensors(config: VaswaniConfig) -> list[tuple[str, str, str]]:
     return rows
 
 
-def _permute(tensor: torch.Tensor, kind: str, index: torch.Tensor) -> torch.Tensor:
+def permute_hidden(tensor: torch.Tensor, kind: str, index: torch.Tensor) -> torch.Tensor:
+    """A copy of `tensor` with its hidden dimension reordered by `index`, where `kind` (see `layer_tensor_map`)
+    says it is."""
     if kind == "reads":
         return tensor[:, index].contiguous()
     if kind in ("writes", "vector"):
@@ -137,17 +141,17 @@ def _to_vaswani(fields: dict[str, Any], tensors: dict[str, torch.Tensor]) -> Vas
         raise ConversionError(f"the source model's settings have no vaswani_tx equivalent: {err}") from None
     inverse = torch.argsort(marian_hidden_permutation(config.d_model))
     ours = {}
-    for our_key, their_key, kind in _layer_tensors(config):
+    for our_key, their_key, kind in layer_tensor_map(config):
         if their_key not in tensors:
             raise ConversionError(f"the source weights have no {their_key!r} (needed for {our_key})")
-        ours[our_key] = _permute(tensors[their_key], kind, inverse)
-    ours["model.shared.weight"] = _permute(tensors["encoder.embed_tokens.weight"], "reads", inverse)
+        ours[our_key] = permute_hidden(tensors[their_key], kind, inverse)
+    ours["model.shared.weight"] = permute_hidden(tensors["encoder.embed_tokens.weight"], "reads", inverse)
     if not config.share_encoder_decoder_embeddings:
-        ours["model.decoder.embeddings.embed_tokens.weight"] = _permute(
+        ours["model.decoder.embeddings.embed_tokens.weight"] = permute_hidden(
             tensors["decoder.embed_tokens.weight"], "reads", inverse
         )
     if not config.tie_word_embeddings:
-        ours["lm_head.weight"] = _permute(tensors["lm_head.weight"], "reads", inverse)
+        ours["lm_head.weight"] = permute_hidden(tensors["lm_head.weight"], "reads", inverse)
     if config.final_logits_bias:
         ours["final_logits_bias"] = logits_bias.reshape(1, -1).clone()
 
@@ -538,133 +542,14 @@ def convert(source: str | os.PathLike, out: str | os.PathLike) -> Path:
     return out
 
 
-# ---------------------------------------------------------------------------------------------------
-# Ours -> Marian
-# ---------------------------------------------------------------------------------------------------
-
-
-def vaswani_to_marian(model: VaswaniForConditionalGeneration):
-    """One of ours as a MarianMTModel with the same logits (the hidden dimension permuted to Marian's layout).
-
-    Refused, naming the field: learned or fairseq positions, d_k or d_v times h other than d_model,
-    a LayerNorm epsilon other than 1e-5 (Marian's are fixed)."""
-    from transformers import MarianConfig, MarianMTModel
-
-    c = model.config
-    if c.position_encoding != "sinusoidal":
-        raise ConversionError(
-            f"position_encoding={c.position_encoding!r} cannot be exported: Marian has the paper's sinusoids only."
-        )
-    for name in ("d_k", "d_v"):
-        if getattr(c, name) * c.num_heads != c.d_model:
-            raise ConversionError(
-                f"{name}={getattr(c, name)} with num_heads={c.num_heads} cannot be exported: "
-                f"Marian's heads are d_model / num_heads = {c.d_model / c.num_heads:g} wide."
-            )
-    if c.layer_norm_eps != 1e-5:
-        raise ConversionError(f"layer_norm_eps={c.layer_norm_eps} cannot be exported: Marian's LayerNorms use 1e-5.")
-    marian = MarianMTModel(
-        MarianConfig(
-            vocab_size=c.vocab_size,
-            decoder_vocab_size=c.target_vocab_size,
-            d_model=c.d_model,
-            encoder_layers=c.num_encoder_layers,
-            decoder_layers=c.num_decoder_layers,
-            encoder_attention_heads=c.num_heads,
-            decoder_attention_heads=c.num_heads,
-            encoder_ffn_dim=c.d_ff,
-            decoder_ffn_dim=c.decoder_d_ff or c.d_ff,
-            activation_function=c.activation_function,
-            scale_embedding=c.scale_embedding,
-            dropout=c.dropout,
-            attention_dropout=c.attention_dropout,
-            activation_dropout=c.activation_dropout,
-            pad_token_id=c.pad_token_id,
-            eos_token_id=c.eos_token_id,
-            bos_token_id=c.bos_token_id,
-            forced_eos_token_id=None,
-            decoder_start_token_id=c.decoder_start_token_id,
-            max_position_embeddings=c.max_position_embeddings,
-            share_encoder_decoder_embeddings=c.share_encoder_decoder_embeddings,
-            tie_word_embeddings=c.tie_word_embeddings,
-        )
-    ).eval()
-    perm = marian_hidden_permutation(c.d_model)
-    ours = model.state_dict()
-    theirs = {
-        f"model.{their_key}": _permute(ours[our_key], kind, perm) for our_key, their_key, kind in _layer_tensors(c)
-    }
-    if not c.attention_bias:  # Marian's projections always have biases: zeros change nothing
-        for key, value in marian.state_dict().items():
-            if re.search(r"attn\.(q|k|v|out)_proj\.bias$", key):
-                theirs[key] = torch.zeros_like(value)
-    source = _permute(ours["model.shared.weight"], "reads", perm)
-    target = _permute(ours["model.decoder.embeddings.embed_tokens.weight"], "reads", perm)
-    theirs.update(
-        {
-            "model.encoder.embed_tokens.weight": source,
-            "model.decoder.embed_tokens.weight": target,
-            "lm_head.weight": _permute(ours["lm_head.weight"], "reads", perm),
-            "final_logits_bias": ours["final_logits_bias"]
-            if c.final_logits_bias
-            else torch.zeros(1, c.target_vocab_size),
-        }
-    )
-    if c.share_encoder_decoder_embeddings:
-        theirs["model.shared.weight"] = source
-    missing, unexpected = marian.load_state_dict(theirs, strict=False)
-    missing = [key for key in missing if not key.endswith("embed_positions.weight")]  # Marian's own sinusoids
-    if missing or unexpected:
-        raise ConversionError(f"internal mapping mismatch: missing {missing}, unexpected {unexpected}")
-    if c.tie_word_embeddings:
-        marian.tie_weights()
-    return marian
-
-
-def export_marian(model: str | os.PathLike | VaswaniForConditionalGeneration, out: str | os.PathLike) -> Path:
-    """Write one of ours (a model folder or object) as a MarianMTModel folder at `out`, with its tokenizer when
-    `model` is a folder. Decoding settings that Marian's config can hold carry over (beam size, length penalty in
-    transformers' form, early stopping); the paper's GNMT length penalty and source-length + 50 cap cannot."""
-    from transformers import AutoTokenizer, GenerationConfig
-
-    folder = None
-    if not isinstance(model, VaswaniForConditionalGeneration):
-        folder = Path(model)
-        if not (folder / "config.json").is_file():
-            raise ConversionError(f"{folder}: not a model folder (no config.json)")
-        model_type = json.loads((folder / "config.json").read_text(encoding="utf-8")).get("model_type")
-        if model_type != "vaswani":
-            raise ConversionError(
-                f"{folder / 'config.json'}: model_type={model_type!r}; export-marian reads vaswani_tx models"
-            )
-        model = VaswaniForConditionalGeneration.from_pretrained(folder)
-    marian = vaswani_to_marian(model.eval())
-    ours = model.generation_config
-    marian.generation_config = GenerationConfig(
-        num_beams=ours.num_beams,
-        length_penalty=float(ours.length_penalty),
-        early_stopping=ours.early_stopping,
-        max_length=model.config.max_position_embeddings,
-        bos_token_id=model.config.bos_token_id,
-        eos_token_id=model.config.eos_token_id,
-        pad_token_id=model.config.pad_token_id,
-        decoder_start_token_id=model.config.decoder_start_token_id,
-    )
-    out = Path(out)
-    marian.save_pretrained(out)
-    if folder is not None and any((folder / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
-        AutoTokenizer.from_pretrained(folder).save_pretrained(out)
-    return out
-
-
 __all__ = [
     "CheckpointError",
     "ConversionError",
     "convert",
-    "export_marian",
     "fairseq_to_vaswani",
     "fsmt_to_vaswani",
+    "layer_tensor_map",
     "marian_hidden_permutation",
     "marian_to_vaswani",
-    "vaswani_to_marian",
+    "permute_hidden",
 ]

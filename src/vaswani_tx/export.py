@@ -1,6 +1,8 @@
-"""Export a saved model to CTranslate2, for serving on CPU (optional extra ``ct2``: ``pip install vaswani_tx[ct2]``).
+"""Exports of a saved model to other runtimes: CTranslate2, for serving on CPU (optional extra ``ct2``:
+``pip install vaswani_tx[ct2]``), and MarianMT, for tools that read Marian.
 
     vaswani-tx export-ct2 MODEL_DIR OUT_DIR [--quantization int8]
+    vaswani-tx export-marian MODEL_DIR OUT_DIR
 
 The CTranslate2 model spec is built directly from our weights; nothing goes through another
 library's converter. How each part of Section 3 maps onto CTranslate2's Transformer:
@@ -22,15 +24,31 @@ next to the model in ``vaswani_decoding.json`` as CTranslate2 ``translate_batch`
 have no CTranslate2 equivalent: its length penalty is transformers' ``|Y|^alpha``, not the GNMT form
 ``((5 + |Y|) / 6)^alpha``, and its output limit is one ``max_decoding_length`` for the batch, not each
 source's length + 50 (the file stores the offset; the options set the limit from the longest source).
+
+:func:`export_marian` writes a MarianMTModel folder with our logits: the hidden dimension permuted to Marian's
+sin-half/cos-half layout by the mapping ``vaswani_tx.convert`` reads Marian with, so the two directions cannot
+drift apart. Its decoding carries over beam size and length penalty; the GNMT form and the source-length + 50
+cap cannot.
+
+Nothing is imported at module level beyond the standard library: ``vaswani-tx export-ct2 --help`` lists
+:data:`QUANTIZATIONS` without loading torch.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from .errors import UserInputError
+
+if TYPE_CHECKING:
+    from transformers import MarianMTModel
+
+    from .modeling_vaswani import VaswaniForConditionalGeneration
 
 DECODING_FILE = "vaswani_decoding.json"
 QUANTIZATIONS = ("int8", "int8_float32", "int16", "float16", "bfloat16", "int8_float16", "int8_bfloat16")
@@ -52,12 +70,14 @@ def build_ct2_spec(model, tokens: Sequence[str], unk_token: str = "<unk>"):
 
     config = model.config
     if config.d_k * config.num_heads != config.d_model or config.d_v != config.d_k:
-        raise ValueError(
+        raise UserInputError(
             f"CTranslate2 needs d_k = d_v = d_model / num_heads; this model has d_k={config.d_k}, d_v={config.d_v}, "
             f"d_model={config.d_model}, num_heads={config.num_heads}."
         )
     if len(tokens) != config.vocab_size:
-        raise ValueError(f"the tokenizer has {len(tokens)} tokens but the model's vocab_size is {config.vocab_size}.")
+        raise UserInputError(
+            f"the tokenizer has {len(tokens)} tokens but the model's vocab_size is {config.vocab_size}."
+        )
     spec = transformer_spec.TransformerSpec.from_config(
         (config.num_encoder_layers, config.num_decoder_layers),
         config.num_heads,
@@ -156,7 +176,9 @@ def export_ct2(
 
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     if quantization is not None and quantization not in QUANTIZATIONS:
-        raise ValueError(f"quantization={quantization!r} is not allowed; choose one of {', '.join(QUANTIZATIONS)}.")
+        raise UserInputError(
+            f"quantization={quantization!r} is not allowed; choose one of {', '.join(QUANTIZATIONS)}."
+        )
     check_model_folder(model_dir)  # a MarianMT or FSMT folder is refused, naming `vaswani-tx convert`
     if out_dir.exists() and any(out_dir.iterdir()) and not force:
         raise FileExistsError(f"{out_dir} exists and is not empty; pass force=True (--force) to overwrite it.")
@@ -165,12 +187,12 @@ def export_ct2(
     except FileNotFoundError:
         raise
     except Exception as err:  # the tokenizers library raises a bare Exception for a garbage tokenizer.json
-        raise ValueError(f"{model_dir} holds no tokenizer that AutoTokenizer can load ({err})") from None
+        raise UserInputError(f"{model_dir} holds no tokenizer that AutoTokenizer can load ({err})") from None
     model = VaswaniForConditionalGeneration.from_pretrained(model_dir).float().eval()
     try:
         check_tokenizer_fits_model(tokenizer, model.config)
-    except ValueError as err:
-        raise ValueError(f"{model_dir}: {err}") from None
+    except UserInputError as err:
+        raise UserInputError(f"{model_dir}: {err}") from None
     tokens = tokenizer.convert_ids_to_tokens(list(range(model.config.vocab_size)))
     with torch.no_grad():
         spec = build_ct2_spec(model, tokens, unk_token=tokenizer.unk_token or "<unk>")
@@ -198,3 +220,140 @@ def ct2_decoding_options(ct2_dir: str | os.PathLike, sources: Sequence[Sequence[
     if sources is not None and saved.get("max_output_length_offset") is not None:
         options["max_decoding_length"] = max(len(s) for s in sources) + int(saved["max_output_length_offset"])
     return options
+
+
+# ---------------------------------------------------------------------------------------------------
+# Ours -> Marian
+# ---------------------------------------------------------------------------------------------------
+
+
+def vaswani_to_marian(model: VaswaniForConditionalGeneration) -> MarianMTModel:
+    """One of ours as a MarianMTModel with the same logits (the hidden dimension permuted to Marian's layout).
+
+    Refused, naming the field: learned or fairseq positions, d_k or d_v times h other than d_model,
+    a LayerNorm epsilon other than 1e-5 (Marian's are fixed)."""
+    import torch
+    from transformers import MarianConfig, MarianMTModel
+
+    from .convert import ConversionError, layer_tensor_map, marian_hidden_permutation, permute_hidden
+
+    c = model.config
+    if c.position_encoding != "sinusoidal":
+        raise ConversionError(
+            f"position_encoding={c.position_encoding!r} cannot be exported: Marian has the paper's sinusoids only."
+        )
+    for name in ("d_k", "d_v"):
+        if getattr(c, name) * c.num_heads != c.d_model:
+            raise ConversionError(
+                f"{name}={getattr(c, name)} with num_heads={c.num_heads} cannot be exported: "
+                f"Marian's heads are d_model / num_heads = {c.d_model / c.num_heads:g} wide."
+            )
+    if c.layer_norm_eps != 1e-5:
+        raise ConversionError(f"layer_norm_eps={c.layer_norm_eps} cannot be exported: Marian's LayerNorms use 1e-5.")
+    marian = MarianMTModel(
+        MarianConfig(
+            vocab_size=c.vocab_size,
+            decoder_vocab_size=c.target_vocab_size,
+            d_model=c.d_model,
+            encoder_layers=c.num_encoder_layers,
+            decoder_layers=c.num_decoder_layers,
+            encoder_attention_heads=c.num_heads,
+            decoder_attention_heads=c.num_heads,
+            encoder_ffn_dim=c.d_ff,
+            decoder_ffn_dim=c.decoder_d_ff or c.d_ff,
+            activation_function=c.activation_function,
+            scale_embedding=c.scale_embedding,
+            dropout=c.dropout,
+            attention_dropout=c.attention_dropout,
+            activation_dropout=c.activation_dropout,
+            pad_token_id=c.pad_token_id,
+            eos_token_id=c.eos_token_id,
+            bos_token_id=c.bos_token_id,
+            forced_eos_token_id=None,
+            decoder_start_token_id=c.decoder_start_token_id,
+            max_position_embeddings=c.max_position_embeddings,
+            share_encoder_decoder_embeddings=c.share_encoder_decoder_embeddings,
+            tie_word_embeddings=c.tie_word_embeddings,
+        )
+    ).eval()
+    perm = marian_hidden_permutation(c.d_model)
+    ours = model.state_dict()
+    theirs = {
+        f"model.{their_key}": permute_hidden(ours[our_key], kind, perm)
+        for our_key, their_key, kind in layer_tensor_map(c)
+    }
+    if not c.attention_bias:  # Marian's projections always have biases: zeros change nothing
+        for key, value in marian.state_dict().items():
+            if re.search(r"attn\.(q|k|v|out)_proj\.bias$", key):
+                theirs[key] = torch.zeros_like(value)
+    source = permute_hidden(ours["model.shared.weight"], "reads", perm)
+    target = permute_hidden(ours["model.decoder.embeddings.embed_tokens.weight"], "reads", perm)
+    theirs.update(
+        {
+            "model.encoder.embed_tokens.weight": source,
+            "model.decoder.embed_tokens.weight": target,
+            "lm_head.weight": permute_hidden(ours["lm_head.weight"], "reads", perm),
+            "final_logits_bias": ours["final_logits_bias"]
+            if c.final_logits_bias
+            else torch.zeros(1, c.target_vocab_size),
+        }
+    )
+    if c.share_encoder_decoder_embeddings:
+        theirs["model.shared.weight"] = source
+    missing, unexpected = marian.load_state_dict(theirs, strict=False)
+    missing = [key for key in missing if not key.endswith("embed_positions.weight")]  # Marian's own sinusoids
+    if missing or unexpected:
+        raise ConversionError(f"internal mapping mismatch: missing {missing}, unexpected {unexpected}")
+    if c.tie_word_embeddings:
+        marian.tie_weights()
+    return marian
+
+
+def export_marian(model: str | os.PathLike | VaswaniForConditionalGeneration, out: str | os.PathLike) -> Path:
+    """Write one of ours (a model folder or object) as a MarianMTModel folder at `out`, with its tokenizer when
+    `model` is a folder. Decoding settings that Marian's config can hold carry over (beam size, length penalty in
+    transformers' form, early stopping); the paper's GNMT length penalty and source-length + 50 cap cannot."""
+    from transformers import AutoTokenizer, GenerationConfig
+
+    from .convert import ConversionError
+    from .modeling_vaswani import VaswaniForConditionalGeneration
+
+    folder = None
+    if not isinstance(model, VaswaniForConditionalGeneration):
+        folder = Path(model)
+        if not (folder / "config.json").is_file():
+            raise ConversionError(f"{folder}: not a model folder (no config.json)")
+        model_type = json.loads((folder / "config.json").read_text(encoding="utf-8")).get("model_type")
+        if model_type != "vaswani":
+            raise ConversionError(
+                f"{folder / 'config.json'}: model_type={model_type!r}; export-marian reads vaswani_tx models"
+            )
+        model = VaswaniForConditionalGeneration.from_pretrained(folder)
+    marian = vaswani_to_marian(model.eval())
+    ours = model.generation_config
+    marian.generation_config = GenerationConfig(
+        num_beams=ours.num_beams,
+        length_penalty=float(ours.length_penalty),
+        early_stopping=ours.early_stopping,
+        max_length=model.config.max_position_embeddings,
+        bos_token_id=model.config.bos_token_id,
+        eos_token_id=model.config.eos_token_id,
+        pad_token_id=model.config.pad_token_id,
+        decoder_start_token_id=model.config.decoder_start_token_id,
+    )
+    out = Path(out)
+    marian.save_pretrained(out)
+    if folder is not None and any((folder / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
+        AutoTokenizer.from_pretrained(folder).save_pretrained(out)
+    return out
+
+
+__all__ = [
+    "DECODING_FILE",
+    "QUANTIZATIONS",
+    "build_ct2_spec",
+    "ct2_decoding_options",
+    "export_ct2",
+    "export_marian",
+    "vaswani_to_marian",
+]

@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from .configuration_vaswani import VaswaniConfig
+from .errors import UserInputError
 from .modeling_vaswani import VaswaniForConditionalGeneration
 from .paper import ALL_MODEL_CONFIGS, TOLERANCE_MILLIONS
 
@@ -23,14 +24,18 @@ def load_model_config(path: str | Path) -> VaswaniConfig:
     except FileNotFoundError:
         raise FileNotFoundError(f"model config {path} does not exist") from None
     except json.JSONDecodeError as err:
-        raise ValueError(f"model config {path} is not valid JSON: {err}") from None
+        raise UserInputError(f"model config {path} is not valid JSON: {err}") from None
     except UnicodeDecodeError as err:
-        raise ValueError(f"model config {path} is not UTF-8 text ({err.reason} at byte {err.start})") from None
+        raise UserInputError(f"model config {path} is not UTF-8 text ({err.reason} at byte {err.start})") from None
     if not isinstance(values, dict):
-        raise ValueError(f"model config {path} must be a JSON object of config fields, got {type(values).__name__}")
+        raise UserInputError(
+            f"model config {path} must be a JSON object of config fields, got {type(values).__name__}"
+        )
     model_type = values.pop("model_type", VaswaniConfig.model_type)
     if model_type != VaswaniConfig.model_type:
-        raise ValueError(f"model config {path} has model_type={model_type!r}; expected {VaswaniConfig.model_type!r}")
+        raise UserInputError(
+            f"model config {path} has model_type={model_type!r}; expected {VaswaniConfig.model_type!r}"
+        )
     return VaswaniConfig(**values)
 
 

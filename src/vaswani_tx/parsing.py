@@ -1,9 +1,11 @@
-"""English constituency parsing with the same model (paper Section 6.3): treebank data, repair, scoring, recipe.
+"""English constituency parsing with the same model (paper Section 6.3): treebank data, linearisation, repair, scoring.
 
 The paper trains "a 4-layer transformer with d_model = 1024 on the Wall Street Journal (WSJ) portion of
 the Penn Treebank, about 40K training sentences" and reads the parse off as a sequence, the set-up of
 Vinyals et al. (2015), "Grammar as a Foreign Language": source = the sentence's words, target = its
-linearised tree. This module holds every step between a treebank and an F1:
+linearised tree. This module holds every step between a treebank and an F1 that needs no model (it imports
+no torch); decoding sentences into trees is ``vaswani_tx.tree_decoding``, the run (linearise, train, parse,
+score) ``vaswani_tx.parse_run``:
 
 - :func:`read_treebank` reads Penn Treebank bracketed files, ``.mrg`` (a tree over several lines) or one
   tree per line, and names file, line and column of anything that is not a tree.
@@ -14,8 +16,7 @@ linearised tree. This module holds every step between a treebank and an F1:
   tree with the sentence's words, repairing whatever a model may generate.
 - :func:`bracket_f1` is the EVALB scorer (``COLLINS.prm``: punctuation and root ignored, ADVP = PRT);
   the same code is the ``vaswani_parseval`` evaluate module (``evaluation.load_metric("vaswani_parseval")``).
-- :func:`parse` decodes sentences with a saved model; :func:`run_recipe` (``vaswani-tx parse run``)
-  linearises a training split, trains with :func:`vaswani_tx.recipe.train`, parses a test split and scores it.
+- :func:`write_examples` and :func:`write_trees` write the line-aligned training files and EVALB's input.
 
 The target sequence (Vinyals et al., 2015, Section 2): ``(S (NP XX XX )NP (VP XX (NP XX )NP )VP XX )S``
 for ``(S (NP (DT The) (NN dog)) (VP (VBZ chased) (NP (PRP it))) (. .))``. Each constituent opens with
@@ -41,14 +42,11 @@ read as a leaf, so a sequence of random tokens still yields a tree over exactly 
 from __future__ import annotations
 
 import glob
-import json
 import logging
 import os
 import re
-import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any
 
 from vaswani_tx.metrics.vaswani_parseval.vaswani_parseval import (
     ROOT_LABELS,
@@ -69,14 +67,13 @@ __all__ = [
     "delinearize",
     "linearize",
     "normalize_tree",
-    "parse",
     "parse_tree",
     "read_treebank",
     "read_trees",
     "replace_tags",
-    "run_recipe",
     "tree_to_example",
     "write_examples",
+    "write_trees",
 ]
 
 logger = logging.getLogger(__name__)
@@ -249,175 +246,7 @@ def bracket_f1(
     return bracket_scores(gold_trees, predicted_trees, max_length=max_length)
 
 
-def parse(
-    model: str | os.PathLike | Any,
-    sentences: Sequence[Sequence[str]],
-    num_beams: int | None = None,
-    batch_size: int = 32,
-    tags: bool = False,
-    constrained: bool = True,
-) -> list[Tree]:
-    """Parse tokenised sentences (lists of words) with a saved parser; one tree per sentence.
-
-    ``model`` is a model folder or a loaded :class:`~vaswani_tx.translation.Translator`. Decoding uses the
-    model's ``generation_config`` (Section 6.3's beam 21, alpha 0.3 and input + 300 when trained with
-    ``configs/train/wsj-parse*.yaml``); ``num_beams`` overrides the beam only. ``constrained`` (the
-    default) restricts every hypothesis to a well-formed tree over exactly the sentence's words
-    (:class:`~vaswani_tx.tree_decoding.TreeConstraint`; it needs a word-level target vocabulary);
-    ``constrained=False`` is the paper's plain beam search, whose output the repair (:func:`delinearize`)
-    makes a tree. The leaves are the model's ``tree_leaves`` (its generation config; ``"XX"`` when unset).
-    """
-    from vaswani_tx.translation import Translator, load_translator
-    from vaswani_tx.tree_decoding import TreeConstraint
-
-    translator = model if isinstance(model, Translator) else load_translator(model)
-    lines = [" ".join(words) for words in sentences]
-    tokenizer = translator.tokenizer
-    leaves = getattr(translator.model.generation_config, "tree_leaves", "XX")
-    if leaves not in TREE_LEAVES:
-        raise ValueError(f"the model's generation config has tree_leaves={leaves!r}; expected one of {TREE_LEAVES}")
-    processors_for = None
-    if constrained:
-        vocabulary = tokenizer.get_vocab()
-        offset = getattr(translator.model.generation_config, "max_output_length_offset", None)
-        # refuses a vocabulary without whole brackets before any decoding
-        TreeConstraint(vocabulary, tokenizer.eos_token_id, [], leaf_ids=[] if leaves == "words" else None)
-
-        def processors_for(indices: list[int]) -> list:
-            # the tokens each source has (</s> included) are what SourceLengthCap adds the offset to
-            sources = [tokenizer(lines[i]).input_ids for i in indices]
-            return [
-                TreeConstraint(
-                    vocabulary,
-                    tokenizer.eos_token_id,
-                    [len(sentences[i]) for i in indices],
-                    max_new_tokens=None if offset is None else [len(ids) + int(offset) for ids in sources],
-                    leaf_ids=[ids[:-1] for ids in sources] if leaves == "words" else None,
-                )
-            ]
-
-    # word leaves keep <unk> (a rare word is still a leaf); only the sequence markers are dropped
-    outputs = translator.translate(
-        lines,
-        num_beams=num_beams,
-        batch_size=batch_size,
-        processors_for=processors_for,
-        skip_special_tokens=leaves == "XX",
-    )
-    if leaves == "words":
-        markers = {tokenizer.pad_token, tokenizer.bos_token, tokenizer.eos_token}
-        outputs = [" ".join(token for token in text.split() if token not in markers) for text in outputs]
-    return [delinearize(text, words, tags) for text, words in zip(outputs, sentences)]
-
-
-def _check_constrainable(recipe: Any, leaves: str, config: str | os.PathLike) -> None:
-    """Refuse, before training, a run whose vocabulary constrained decoding cannot use (see :func:`parse`)."""
-    from vaswani_tx.tokenization import load_tokenizer
-    from vaswani_tx.tree_decoding import TreeConstraint
-
-    if (Path(recipe.tokenizer) / "tokenizer.json").is_file():
-        tokenizer = load_tokenizer(recipe.tokenizer)
-        try:
-            TreeConstraint(
-                tokenizer.get_vocab(), tokenizer.eos_token_id, [], leaf_ids=[] if leaves == "words" else None
-            )
-        except ValueError as err:
-            raise ValueError(f"tokenizer {recipe.tokenizer}: {err}") from None
-    elif recipe.tokenizer_kind != "word":
-        raise ValueError(
-            f"run config {config}: decoding constrained to trees (the default) needs a word-level vocabulary, "
-            f"and this config trains a {recipe.tokenizer_kind} one: set tokenizer_kind: word, or give "
-            "--unconstrained (the paper's plain beam search, repaired into trees)"
-        )
-
-
 def write_trees(trees: Iterable[Tree], path: str | os.PathLike) -> None:
     """One tree per line (EVALB's input format)."""
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text("".join(f"{tree}\n" for tree in trees), encoding="utf-8")
-
-
-def run_recipe(
-    config: str | os.PathLike,
-    train_trees: Sequence[str],
-    dev_trees: Sequence[str],
-    test_trees: Sequence[str],
-    overrides: Sequence[str] = (),
-    resume: bool = False,
-    num_beams: int | None = None,
-    max_length: int | None = None,
-    constrained: bool = True,
-) -> dict[str, Any]:
-    """Section 6.3 end to end: linearise the splits, train, parse the test trees, score them.
-
-    The run config (``configs/train/wsj-parse*.yaml``) is an ordinary training config whose
-    ``train_source``/``train_target``/``dev_source``/``dev_target`` are the files this writes from
-    ``train_trees``/``dev_trees`` (paths or globs of treebank files). After training, the final model in
-    ``output_dir`` (or, with ``average_last`` > 1 and enough checkpoints, their average in
-    ``output_dir/averaged``, Section 6.1) parses the test trees' words. Written to ``output_dir``:
-    ``test.gold`` and ``test.parsed`` (one normalised tree per line) and ``parse_scores.json``: precision,
-    recall, F1 and exact match of all test sentences and F1 of those of at most 40 words (``f1_40``), or only
-    of sentences up to ``max_length`` words. While training, each evaluation also logs the dev trees'
-    bracketing F1 (greedy, :class:`~vaswani_tx.tree_decoding.DevBracketF1Callback`), drawn in ``curves.png``.
-    ``constrained`` decodes with :class:`~vaswani_tx.tree_decoding.TreeConstraint` (see :func:`parse`). The
-    target trees' leaves are ``XX`` or, with ``tree_leaves: words`` in the config's ``generation:`` block
-    (saved with the model), the words themselves.
-    Under several processes every process trains and process 0 alone parses and scores.
-    """
-    from vaswani_tx.recipe import load_run_config, train
-    from vaswani_tx.tree_decoding import DevBracketF1Callback
-
-    started = time.monotonic()
-
-    recipe, arguments = load_run_config(config, overrides)
-    leaves = (recipe.generation or {}).get("tree_leaves", "XX")
-    if leaves not in TREE_LEAVES:
-        raise ValueError(f"run config {config}: generation: tree_leaves={leaves!r} is not one of {TREE_LEAVES}")
-    if constrained:  # found now, not after hours of training: the test parse needs whole bracket tokens
-        _check_constrainable(recipe, leaves, config)
-    test = read_treebank(test_trees)
-    if not test:
-        raise ValueError(f"no trees in the test files {' '.join(map(str, test_trees))}")
-    dev: list[Tree] = []
-    with arguments.main_process_first(local=False, desc="treebank"):  # process 0 writes, the others wait
-        for name, patterns, source, target in (
-            ("train", train_trees, recipe.train_source, recipe.train_target),
-            ("dev", dev_trees, recipe.dev_source, recipe.dev_target),
-        ):
-            if source is None or target is None:
-                raise ValueError(f"run config {config} must name {name}_source and {name}_target files to write")
-            if arguments.process_index == 0:
-                trees = read_treebank(patterns)
-                if not trees:
-                    raise ValueError(f"no trees in the {name} files {' '.join(map(str, patterns))}")
-                count = write_examples(trees, source, target, words=leaves == "words")
-                logger.info("%s: %d trees -> %s, %s", name, count, source, target)
-                dev = trees if name == "dev" else dev
-    callbacks = [DevBracketF1Callback(dev, constrained=constrained)] if arguments.eval_strategy != "no" else []
-    metrics = train(recipe, arguments, resume=resume, callbacks=callbacks)
-    if arguments.process_index != 0:
-        return metrics
-    model_dir = Path(metrics.get("averaged", arguments.output_dir))  # train() averaged the last checkpoints
-    parse_started = time.monotonic()
-    predicted = parse(model_dir, [tree.words() for tree in test], num_beams=num_beams, constrained=constrained)
-    parse_seconds = round(time.monotonic() - parse_started, 1)
-    output_dir = Path(arguments.output_dir)
-    write_trees(test, output_dir / "test.gold")
-    write_trees(predicted, output_dir / "test.parsed")
-    if num_beams is None:
-        from transformers import GenerationConfig
-
-        num_beams = GenerationConfig.from_pretrained(model_dir).num_beams
-    scores = {
-        "model": str(model_dir),
-        "test_trees": len(test),
-        "num_beams": num_beams,
-        "constrained": constrained,
-        "parse_seconds": parse_seconds,
-        **bracket_f1(test, predicted, max_length=max_length),
-    }
-    if max_length is None:
-        scores["f1_40"] = bracket_f1(test, predicted, max_length=40)["f1"]
-    scores["seconds"] = round(time.monotonic() - started, 1)  # this call: training, averaging and parsing
-    (output_dir / "parse_scores.json").write_text(json.dumps(scores, indent=1) + "\n", encoding="utf-8")
-    return {**metrics, "parse": scores}

@@ -6,7 +6,7 @@
   the label smoothing of Section 5.4; :class:`VaswaniTrainer` puts both, Adam (0.9, 0.98, 1e-9) and the
   token budget together.
 
-A run config and the run itself are ``vaswani_tx.recipe``; checkpoints, resuming and averaging
+A run config is ``vaswani_tx.run_config``, the run itself ``vaswani_tx.recipe``; checkpoints, resuming and averaging
 (Section 6.1) are ``vaswani_tx.checkpoints``; decoding a saved model is ``vaswani_tx.translation``.
 
 Departures, each for a stated reason: the schedule is evaluated at ``updates_done + 1`` so the first
@@ -28,6 +28,7 @@ from transformers import Seq2SeqTrainer
 from transformers.trainer_utils import seed_worker
 
 from vaswani_tx.data import TokenBudgetBatchSampler
+from vaswani_tx.errors import UserInputError
 
 
 class TokenBudgetSeq2SeqTrainer(Seq2SeqTrainer):
@@ -47,7 +48,7 @@ class TokenBudgetSeq2SeqTrainer(Seq2SeqTrainer):
     def __init__(self, *args, max_tokens: int, eval_max_tokens: int | None = None, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         if max_tokens <= 0:
-            raise ValueError(f"max_tokens must be a positive number of tokens per batch, got {max_tokens!r}")
+            raise UserInputError(f"max_tokens must be a positive number of tokens per batch, got {max_tokens!r}")
         self.max_tokens = max_tokens
         self.eval_max_tokens = eval_max_tokens
         self.train_sampler: TokenBudgetBatchSampler | None = None
@@ -119,7 +120,7 @@ def paper_learning_rate(step: int, d_model: int, warmup_steps: int = 4000) -> fl
     if step < 1:
         raise ValueError(f"the schedule is defined from step 1 (the first update), got step={step}")
     if warmup_steps < 1:
-        raise ValueError(f"warmup_steps must be >= 1, got {warmup_steps}")
+        raise UserInputError(f"warmup_steps must be >= 1, got {warmup_steps}")
     return d_model**-0.5 * min(step**-0.5, step * warmup_steps**-1.5)
 
 
@@ -161,7 +162,7 @@ def label_smoothed_loss(
     logits: (B, T, V); labels: (B, T). Computed in float32 whatever the logits' dtype.
     """
     if not 0.0 <= epsilon < 1.0:
-        raise ValueError(f"label smoothing epsilon must be in [0, 1), got {epsilon}")
+        raise UserInputError(f"label smoothing epsilon must be in [0, 1), got {epsilon}")
     keep = labels.ne(ignore_index)  # (B, T)
     # Only labelled rows: the softmax over V at padded positions would be computed only to be thrown away.
     log_probs = torch.log_softmax(logits[keep].float(), dim=-1)  # (N, V)
@@ -179,7 +180,7 @@ class LabelSmoothedCrossEntropy:
 
     def __init__(self, epsilon: float) -> None:
         if not 0.0 <= epsilon < 1.0:
-            raise ValueError(f"label smoothing epsilon must be in [0, 1), got {epsilon}")
+            raise UserInputError(f"label smoothing epsilon must be in [0, 1), got {epsilon}")
         self.epsilon = epsilon
 
     def __call__(self, outputs, labels: torch.Tensor, num_items_in_batch=None) -> torch.Tensor:
@@ -208,13 +209,13 @@ class VaswaniTrainer(TokenBudgetSeq2SeqTrainer):
     def __init__(self, *args, **kwargs) -> None:
         training_args = kwargs.get("args") if "args" in kwargs else args[1]
         if str(getattr(training_args.lr_scheduler_type, "value", training_args.lr_scheduler_type)) != "inverse_sqrt":
-            raise ValueError(
+            raise UserInputError(
                 f"lr_scheduler_type={training_args.lr_scheduler_type!r}: VaswaniTrainer always uses the paper's "
                 "inverse-square-root schedule (Section 5.3); set lr_scheduler_type: inverse_sqrt"
             )
         warmup = training_args.warmup_steps
         if warmup < 1 or warmup != int(warmup):
-            raise ValueError(f"warmup_steps must be a whole number of steps >= 1 (the paper's 4000), got {warmup}")
+            raise UserInputError(f"warmup_steps must be a whole number of steps >= 1 (the paper's 4000), got {warmup}")
         epsilon = training_args.label_smoothing_factor
         kwargs.setdefault("compute_loss_func", LabelSmoothedCrossEntropy(epsilon))
         super().__init__(*args, **kwargs)

@@ -18,20 +18,28 @@ finished hypothesis, in every beam, is one. With ``n`` the sentence's word count
 It is a transformers ``LogitsProcessor``: forbidden tokens get ``-inf`` before the beam's top-k. The state of
 each hypothesis (open brackets, leaves placed) is recomputed from its tokens at each step, a few vectorised
 operations over the batch, so beam reordering needs no bookkeeping.
+
+:func:`parse` decodes sentences into trees with a saved parser, constrained or (the paper's way) repaired;
+:class:`DevBracketF1Callback` scores the model being trained with it. The trees, the linearisation and the
+scorer are ``vaswani_tx.parsing``; the run that trains a parser is ``vaswani_tx.parse_run``.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from transformers import LogitsProcessor, TrainerCallback
 
-logger = logging.getLogger(__name__)
+from vaswani_tx.errors import UserInputError
+from vaswani_tx.parsing import PLACEHOLDER, TREE_LEAVES, Tree, bracket_f1, delinearize
+from vaswani_tx.translation import Translator, load_translator
 
-PLACEHOLDER = "XX"  # the leaf token of Vinyals et al.'s linearisation (vaswani_tx.parsing.PLACEHOLDER)
+logger = logging.getLogger(__name__)
 
 _OTHER, _OPEN, _CLOSE, _LEAF, _EOS = range(5)
 
@@ -80,7 +88,7 @@ class TreeConstraint(LogitsProcessor):
         wanted = [(_OPEN, "opening brackets such as (NP"), (_CLOSE, "closing brackets")]
         for kind, what in wanted + ([] if leaf_ids is not None else [(_LEAF, "XX")]):
             if not (kinds == kind).any():
-                raise ValueError(
+                raise UserInputError(
                     f"the target vocabulary has no {what} as whole tokens: constrained decoding needs a "
                     "word-level parser vocabulary (tokenizer_kind: word), or decode with --unconstrained"
                 )
@@ -91,7 +99,9 @@ class TreeConstraint(LogitsProcessor):
         self.leaf_ids = None
         if leaf_ids is not None:
             if [len(ids) for ids in leaf_ids] != self.word_counts.tolist():
-                raise ValueError("leaf_ids must hold one token id per word of each sentence (a word-level vocabulary)")
+                raise UserInputError(
+                    "leaf_ids must hold one token id per word of each sentence (a word-level vocabulary)"
+                )
             width = max((len(ids) for ids in leaf_ids), default=0) or 1
             self.leaf_ids = torch.tensor([list(ids) + [eos_token_id] * (width - len(ids)) for ids in leaf_ids])
 
@@ -143,6 +153,66 @@ class TreeConstraint(LogitsProcessor):
         return scores.masked_fill(~allowed, -float("inf"))
 
 
+def parse(
+    model: str | os.PathLike | Any,
+    sentences: Sequence[Sequence[str]],
+    num_beams: int | None = None,
+    batch_size: int = 32,
+    tags: bool = False,
+    constrained: bool = True,
+) -> list[Tree]:
+    """Parse tokenised sentences (lists of words) with a saved parser; one tree per sentence.
+
+    ``model`` is a model folder or a loaded :class:`~vaswani_tx.translation.Translator`. Decoding uses the
+    model's ``generation_config`` (Section 6.3's beam 21, alpha 0.3 and input + 300 when trained with
+    ``configs/train/wsj-parse*.yaml``); ``num_beams`` overrides the beam only. ``constrained`` (the
+    default) restricts every hypothesis to a well-formed tree over exactly the sentence's words
+    (:class:`TreeConstraint`; it needs a word-level target vocabulary); ``constrained=False`` is the paper's
+    plain beam search, whose output the repair (:func:`~vaswani_tx.parsing.delinearize`) makes a tree. The
+    leaves are the model's ``tree_leaves`` (its generation config; ``"XX"`` when unset).
+    """
+    translator = model if isinstance(model, Translator) else load_translator(model)
+    lines = [" ".join(words) for words in sentences]
+    tokenizer = translator.tokenizer
+    leaves = getattr(translator.model.generation_config, "tree_leaves", "XX")
+    if leaves not in TREE_LEAVES:
+        raise UserInputError(
+            f"the model's generation config has tree_leaves={leaves!r}; expected one of {TREE_LEAVES}"
+        )
+    processors_for = None
+    if constrained:
+        vocabulary = tokenizer.get_vocab()
+        offset = getattr(translator.model.generation_config, "max_output_length_offset", None)
+        # refuses a vocabulary without whole brackets before any decoding
+        TreeConstraint(vocabulary, tokenizer.eos_token_id, [], leaf_ids=[] if leaves == "words" else None)
+
+        def processors_for(indices: list[int]) -> list:
+            # the tokens each source has (</s> included) are what SourceLengthCap adds the offset to
+            sources = [tokenizer(lines[i]).input_ids for i in indices]
+            return [
+                TreeConstraint(
+                    vocabulary,
+                    tokenizer.eos_token_id,
+                    [len(sentences[i]) for i in indices],
+                    max_new_tokens=None if offset is None else [len(ids) + int(offset) for ids in sources],
+                    leaf_ids=[ids[:-1] for ids in sources] if leaves == "words" else None,
+                )
+            ]
+
+    # word leaves keep <unk> (a rare word is still a leaf); only the sequence markers are dropped
+    outputs = translator.translate(
+        lines,
+        num_beams=num_beams,
+        batch_size=batch_size,
+        processors_for=processors_for,
+        skip_special_tokens=leaves == "XX",
+    )
+    if leaves == "words":
+        markers = {tokenizer.pad_token, tokenizer.bos_token, tokenizer.eos_token}
+        outputs = [" ".join(token for token in text.split() if token not in markers) for text in outputs]
+    return [delinearize(text, words, tags) for text, words in zip(outputs, sentences)]
+
+
 class DevBracketF1Callback(TrainerCallback):
     """At each evaluation, parse the dev trees' sentences with the model being trained and log their EVALB
     bracketing F1 (``eval_bracket_f1``, with precision, recall and the training minutes so far) into the
@@ -167,9 +237,6 @@ class DevBracketF1Callback(TrainerCallback):
     def on_evaluate(self, args, state, control, model=None, processing_class=None, **kwargs):
         if not state.is_world_process_zero or model is None or processing_class is None or not self.dev_trees:
             return
-        from vaswani_tx.parsing import bracket_f1, parse  # parsing imports no torch: it comes to us
-        from vaswani_tx.translation import Translator
-
         if self.minutes_before is None:
             self.minutes_before = max(
                 (e["train_minutes"] for e in state.log_history if "train_minutes" in e), default=0
@@ -205,4 +272,4 @@ class DevBracketF1Callback(TrainerCallback):
         )
 
 
-__all__ = ["DevBracketF1Callback", "PLACEHOLDER", "TreeConstraint"]
+__all__ = ["DevBracketF1Callback", "TreeConstraint", "parse"]

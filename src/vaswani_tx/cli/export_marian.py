@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import argparse
 
-from vaswani_tx.cli import add_output_dir_argument, fail, output_dir
+from vaswani_tx.cli import add_output_dir_argument, output_dir
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -37,16 +37,13 @@ def _remove_our_code_files(folder) -> None:
 def run(args: argparse.Namespace) -> int:
     from vaswani_tx.folders import refuse_to_overwrite
 
-    try:
-        out = output_dir(args)
-        refuse_to_overwrite(out, args.force)
-        from vaswani_tx.convert import export_marian
-        from vaswani_tx.translation import check_model_folder
+    out = output_dir(args)
+    refuse_to_overwrite(out, args.force)
+    from vaswani_tx.export import export_marian
+    from vaswani_tx.translation import check_model_folder
 
-        check_model_folder(args.model)  # another model type names `vaswani-tx convert`; truncated weights
-        out = export_marian(args.model, out)
-        _remove_our_code_files(out)
-    except (ValueError, OSError) as err:
-        return fail("export-marian", err)
+    check_model_folder(args.model)  # another model type names `vaswani-tx convert`; truncated weights
+    out = export_marian(args.model, out)
+    _remove_our_code_files(out)
     print(f"exported {args.model} -> {out} (MarianMTModel)")
     return 0

@@ -109,9 +109,11 @@ def run(args: argparse.Namespace) -> int:
     import sys
 
     from vaswani_tx import parsing
-    from vaswani_tx.checkpoints import CheckpointError
+    from vaswani_tx.errors import UserInputError
     from vaswani_tx.evaluation import read_lines
-    from vaswani_tx.recipe import ConfigError, end_distributed
+    from vaswani_tx.parse_run import run_recipe
+    from vaswani_tx.recipe import end_distributed
+    from vaswani_tx.tree_decoding import parse
 
     for option in ("num_beams", "batch_size", "max_length"):
         value = getattr(args, option, None)
@@ -119,69 +121,65 @@ def run(args: argparse.Namespace) -> int:
             return fail("parse", f"--{option.replace('_', '-')} must be >= 1, got {value}")
     if args.action == "run":
         logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
-    try:
-        if args.action == "run":
-            _move_overrides(args)
-            try:
-                metrics = parsing.run_recipe(
-                    args.config,
-                    args.train,
-                    args.dev,
-                    args.test,
-                    args.overrides,
-                    resume=args.resume,
-                    num_beams=args.num_beams,
-                    max_length=args.max_length,
-                    constrained=not args.unconstrained,
-                )
-            finally:
-                end_distributed()
-            if "parse" in metrics:
-                print(json.dumps(metrics, indent=1))
-                scores = metrics["parse"]
-                _print_scores(scores)
-                if "f1_40" in scores:
-                    print(f"bracketing F1 of sentences of <= 40 words {scores['f1_40']:.2f}")
-                print(
-                    f"{'constrained' if scores['constrained'] else 'unconstrained'} beam {scores['num_beams']}; "
-                    f"{scores['seconds'] / 60:.1f} minutes for training and parsing"
-                )
-        elif args.action == "predict":
-            gold = parsing.read_treebank(args.trees) if args.trees else None
-            if args.output:
-                from vaswani_tx.folders import check_writable
-
-                check_writable(args.output, "file")
-            if gold:
-                sentences = [tree.words() for tree in gold]
-            elif args.sentences == "-":
-                sentences = [line.split() for line in sys.stdin.read().splitlines()]
-            else:
-                sentences = [line.split() for line in read_lines(args.sentences)]
-            if not any(sentences):
-                raise ValueError(f"{args.sentences or 'the treebank'} holds no sentence to parse")
-            if not all(sentences):
-                blank = next(number for number, words in enumerate(sentences, start=1) if not words)
-                raise ValueError(f"{args.sentences}, line {blank}: empty; give one tokenised sentence per line")
-            trees = parsing.parse(
-                args.model,
-                sentences,
+        _move_overrides(args)
+        try:
+            metrics = run_recipe(
+                args.config,
+                args.train,
+                args.dev,
+                args.test,
+                args.overrides,
+                resume=args.resume,
                 num_beams=args.num_beams,
-                batch_size=args.batch_size,
+                max_length=args.max_length,
                 constrained=not args.unconstrained,
             )
-            if args.output:
-                parsing.write_trees(trees, args.output)
-            else:
-                print("".join(f"{tree}\n" for tree in trees), end="")
-            if gold:
-                _print_scores(parsing.bracket_f1(gold, trees))
+        finally:
+            end_distributed()
+        if "parse" in metrics:
+            print(json.dumps(metrics, indent=1))
+            scores = metrics["parse"]
+            _print_scores(scores)
+            if "f1_40" in scores:
+                print(f"bracketing F1 of sentences of <= 40 words {scores['f1_40']:.2f}")
+            print(
+                f"{'constrained' if scores['constrained'] else 'unconstrained'} beam {scores['num_beams']}; "
+                f"{scores['seconds'] / 60:.1f} minutes for training and parsing"
+            )
+    elif args.action == "predict":
+        gold = parsing.read_treebank(args.trees) if args.trees else None
+        if args.output:
+            from vaswani_tx.folders import check_writable
+
+            check_writable(args.output, "file")
+        if gold:
+            sentences = [tree.words() for tree in gold]
+        elif args.sentences == "-":
+            sentences = [line.split() for line in sys.stdin.read().splitlines()]
         else:
-            gold = parsing.read_treebank(args.gold)
-            predicted = parsing.read_treebank(args.predicted)
-            if len(gold) != len(predicted):
-                raise ValueError(f"{args.gold} has {len(gold)} trees but {args.predicted} has {len(predicted)}")
-            _print_scores(parsing.bracket_f1(gold, predicted, max_length=args.max_length))
-    except (ConfigError, CheckpointError, ValueError, OSError) as err:  # TreebankFormatError is a ValueError
-        return fail("parse", err)
+            sentences = [line.split() for line in read_lines(args.sentences)]
+        if not any(sentences):
+            raise UserInputError(f"{args.sentences or 'the treebank'} holds no sentence to parse")
+        if not all(sentences):
+            blank = next(number for number, words in enumerate(sentences, start=1) if not words)
+            raise UserInputError(f"{args.sentences}, line {blank}: empty; give one tokenised sentence per line")
+        trees = parse(
+            args.model,
+            sentences,
+            num_beams=args.num_beams,
+            batch_size=args.batch_size,
+            constrained=not args.unconstrained,
+        )
+        if args.output:
+            parsing.write_trees(trees, args.output)
+        else:
+            print("".join(f"{tree}\n" for tree in trees), end="")
+        if gold:
+            _print_scores(parsing.bracket_f1(gold, trees))
+    else:
+        gold = parsing.read_treebank(args.gold)
+        predicted = parsing.read_treebank(args.predicted)
+        if len(gold) != len(predicted):
+            raise UserInputError(f"{args.gold} has {len(gold)} trees but {args.predicted} has {len(predicted)}")
+        _print_scores(parsing.bracket_f1(gold, predicted, max_length=args.max_length))
     return 0

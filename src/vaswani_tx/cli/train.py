@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import argparse
 
-from vaswani_tx.cli import fail
-
 INTERMIXED = "overrides"  # key=value may also follow --resume (see vaswani_tx.cli.main)
 
 
@@ -46,16 +44,16 @@ def run(args: argparse.Namespace) -> int:
     import os
     import sys
 
-    from vaswani_tx.checkpoints import CheckpointError, complete_checkpoints
-    from vaswani_tx.folders import RunLockError
-    from vaswani_tx.recipe import ConfigError, end_distributed, load_run_config, train
+    from vaswani_tx.checkpoints import complete_checkpoints
+    from vaswani_tx.recipe import end_distributed, train
+    from vaswani_tx.run_config import load_run_config
 
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
     arguments = None
     try:
         recipe, arguments = load_run_config(args.config, args.overrides)
         if args.dry_run:
-            from vaswani_tx.recipe import describe_plan, run_plan
+            from vaswani_tx.plan import describe_plan, run_plan
 
             if arguments.process_index == 0:
                 print(describe_plan(run_plan(recipe, arguments)))
@@ -64,14 +62,6 @@ def run(args: argparse.Namespace) -> int:
             metrics = train(recipe, arguments, resume=args.resume)
         finally:
             end_distributed()
-    except (
-        ConfigError,
-        CheckpointError,
-        RunLockError,
-        ValueError,
-        OSError,
-    ) as err:  # e.g. a tokenizer that does not fit
-        return fail("train", err)
     except KeyboardInterrupt:
         if arguments is None or arguments.process_index != 0:
             return 130
