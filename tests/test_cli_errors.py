@@ -8,13 +8,16 @@ hash is taken before and after.
 
 from __future__ import annotations
 
+import errno
 import hashlib
+import importlib
 import io
 import json
 import os
 import shutil
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -22,6 +25,7 @@ import torch
 import yaml
 
 from vaswani_tx.cli import main
+from vaswani_tx.errors import UserInputError
 from vaswani_tx.folders import LOCK_NAME, RunLock, RunLockError, check_writable, refuse_to_overwrite
 
 REPO = Path(__file__).resolve().parents[1]
@@ -30,7 +34,7 @@ REPO = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="module")
 def ws(tiny_translator, shared_data, tmp_path_factory) -> Path:
     """The workspace every case runs against (read-only for the cases: its hash must not change)."""
-    from vaswani_tx.convert import export_marian
+    from vaswani_tx.export import export_marian
 
     folder, model, tokenizer = tiny_translator
     ws = tmp_path_factory.mktemp("ws")
@@ -459,6 +463,172 @@ def test_an_unforeseen_error_is_one_line_unless_debug(capsys, monkeypatch):
     assert "--debug" in err and "Traceback" not in err
     with pytest.raises(RuntimeError, match="no check foresaw"):
         main(["--debug", "params", "x.json"])
+
+
+# ---- one family of user errors (issue 27): it and OSError exit 2, anything else is a bug ----
+
+SHAPE_BUG = "mat1 and mat2 shapes cannot be multiplied (3x24 and 40x24)"  # torch's ValueError for a shape bug
+
+
+def test_a_plain_value_error_inside_a_command_is_a_bug_not_bad_input(ws, capsys, monkeypatch):
+    """torch raises ValueError for a shape mismatch: one from inside a library call is a bug (exit 1, one line
+    asking for a report), not `error: MESSAGE` and exit 2 as if the user's input were wrong."""
+    from vaswani_tx.translation import Translator
+
+    def translate_with_a_shape_bug(self, lines, **kwargs):
+        raise ValueError(SHAPE_BUG)
+
+    monkeypatch.setattr(Translator, "translate", translate_with_a_shape_bug)
+    argv = ["translate", str(ws / "model"), "A dog runs.", "--device", "cpu", "--quiet"]
+    assert main(argv) == 1
+    captured = capsys.readouterr()
+    assert captured.err.strip().splitlines() == [
+        f"vaswani-tx translate: error: unexpected ValueError: {SHAPE_BUG} "
+        "(run `vaswani-tx --debug ...` for the traceback, and please report it)"
+    ]
+    assert captured.out == ""
+    with pytest.raises(ValueError, match=r"mat1 and mat2 shapes") as raised:
+        main(["--debug", *argv])
+    assert type(raised.value) is ValueError
+    assert any(entry.name == "translate_with_a_shape_bug" for entry in raised.traceback)
+
+
+def test_debug_prints_the_traceback_of_a_bug(tmp_path):
+    """The same through the installed entry point's code path, in a process of its own: `--debug` lets the bug
+    out, so Python prints its traceback down to the library function that raised it."""
+    config = tmp_path / "model.json"
+    config.write_text("{}", encoding="utf-8")
+    script = textwrap.dedent(f"""
+        import sys
+        import vaswani_tx.params
+        from vaswani_tx.cli import main
+
+        def parameter_table(files):
+            raise ValueError({SHAPE_BUG!r})
+
+        vaswani_tx.params.parameter_table = parameter_table
+        sys.exit(main(sys.argv[1:]))
+    """)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(
+        [sys.executable, "-c", script, "--debug", "params", str(config)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert "Traceback (most recent call last)" in result.stderr
+    assert "vaswani_tx/cli/params.py" in result.stderr and ", in parameter_table\n" in result.stderr
+    assert result.stderr.strip().splitlines()[-1] == f"ValueError: {SHAPE_BUG}"
+    assert "please report it" not in result.stderr
+
+
+@pytest.mark.parametrize(
+    "error, message",
+    [
+        (UserInputError("model config m.json: d_model=7 is odd"), "model config m.json: d_model=7 is odd"),
+        (
+            FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), "/data/m.json"),
+            f"/data/m.json: {os.strerror(errno.ENOENT)}",
+        ),
+        (
+            OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "/out/model.safetensors"),
+            f"/out/model.safetensors: {os.strerror(errno.ENOSPC)}",
+        ),
+        (
+            PermissionError(errno.EACCES, os.strerror(errno.EACCES), "/out/a.tmp", None, "/out/a"),
+            f"/out/a.tmp -> /out/a: {os.strerror(errno.EACCES)}",
+        ),
+        (FileExistsError("output folder out exists; pass --force"), "output folder out exists; pass --force"),
+    ],
+    ids=["user-input", "missing-file", "full-disk", "permission", "our-os-error"],
+)
+def test_user_input_and_os_errors_exit_2_in_one_line_even_with_debug(error, message, tmp_path, capsys, monkeypatch):
+    import vaswani_tx.params
+
+    def parameter_table(files):
+        raise error
+
+    monkeypatch.setattr(vaswani_tx.params, "parameter_table", parameter_table)
+    config = tmp_path / "model.json"
+    config.write_text("{}", encoding="utf-8")
+    for debug in ([], ["--debug"]):  # --debug is for bugs: bad input stays one line
+        assert main([*debug, "params", str(config)]) == 2
+        captured = capsys.readouterr()
+        assert captured.err.strip().splitlines() == [f"vaswani-tx params: error: {message}"], captured.err
+        assert captured.out == ""
+
+
+def test_a_config_value_the_paper_does_not_allow_exits_2(tmp_path, capsys):
+    config = tmp_path / "odd.json"
+    config.write_text(json.dumps({"d_model": 9, "num_heads": 3}), encoding="utf-8")
+    assert main(["--debug", "params", str(config)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("vaswani-tx params: error: VaswaniConfig: d_model=9 must be even"), err
+
+
+def _package_modules() -> list[str]:
+    import vaswani_tx
+
+    root = Path(vaswani_tx.__file__).parent
+    names = []
+    for path in sorted(root.rglob("*.py")):
+        if path.name == "__main__.py":  # runs the CLI when imported
+            continue
+        parts = path.relative_to(root.parent).with_suffix("").parts
+        names.append(".".join(parts[:-1] if parts[-1] == "__init__" else parts))
+    return names
+
+
+def test_every_error_class_of_the_package_is_a_user_input_error():
+    """The package defines exception classes for input a user can fix only: each derives from UserInputError,
+    so `main()` reports it as bad input (exit 2). A class for something else would need a reason here."""
+    defined = {}
+    for name in _package_modules():
+        for value in vars(importlib.import_module(name)).values():
+            if isinstance(value, type) and issubclass(value, BaseException) and value.__module__ == name:
+                defined[f"{name}.{value.__name__}"] = value
+    names = {cls.__name__ for cls in defined.values()}
+    assert names >= {
+        "UserInputError",
+        "CorpusError",
+        "CheckpointError",
+        "ConfigError",
+        "ConversionError",
+        "RunLockError",
+        "TreebankFormatError",
+    }, sorted(defined)
+    assert [name for name, cls in defined.items() if not issubclass(cls, UserInputError)] == []
+
+
+def test_a_saved_model_carries_its_user_input_error(tmp_path):
+    """The config raises UserInputError from errors.py, which save_pretrained copies beside it: the folder
+    loads with trust_remote_code where vaswani_tx cannot be imported, and a bad value there is its
+    UserInputError (a ValueError) too."""
+    import vaswani_tx.errors
+    from vaswani_tx import VaswaniConfig, VaswaniForConditionalGeneration
+
+    config = VaswaniConfig(vocab_size=40, d_model=8, d_ff=16, num_heads=2, num_encoder_layers=1, num_decoder_layers=1)
+    folder = tmp_path / "model"
+    VaswaniForConditionalGeneration(config).save_pretrained(folder)
+    assert (folder / "errors.py").read_bytes() == Path(vaswani_tx.errors.__file__).read_bytes()
+    script = textwrap.dedent(f"""
+        import sys
+        sys.modules["vaswani_tx"] = None  # importing vaswani_tx now fails, as where it is not installed
+        from transformers import AutoModelForSeq2SeqLM
+        model = AutoModelForSeq2SeqLM.from_pretrained({str(folder)!r}, trust_remote_code=True)
+        config_class = type(model.config)
+        assert config_class.__module__.startswith("transformers_modules"), config_class.__module__
+        try:
+            config_class(d_model=9, num_heads=3)
+        except ValueError as error:
+            print(type(error).__name__, type(error).__module__.rpartition(".")[2], error)
+    """)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_MODULES_CACHE": str(tmp_path / "modules")}
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.startswith("UserInputError errors VaswaniConfig: d_model=9 must be even"), result.stdout
 
 
 # ---- average-checkpoints: several runs, an incomplete last checkpoint ----

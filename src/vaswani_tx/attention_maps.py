@@ -12,6 +12,8 @@ from pathlib import Path
 
 import torch
 
+from vaswani_tx.errors import UserInputError
+
 KINDS = {
     "encoder": ("encoder_attentions", "encoder self-attention"),
     "decoder": ("decoder_attentions", "decoder self-attention"),
@@ -70,7 +72,7 @@ def plot_attention_maps(
 
     unknown = set(kinds) - set(KINDS)
     if unknown:
-        raise ValueError(f"unknown attention kind(s) {sorted(unknown)}; choose from {sorted(KINDS)}")
+        raise UserInputError(f"unknown attention kind(s) {sorted(unknown)}; choose from {sorted(KINDS)}")
     output_dir = Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     weights = attention_weights(model, tokenizer, source, target)
@@ -80,7 +82,9 @@ def plot_attention_maps(
         chosen = range(len(maps["layers"])) if layers is None else layers
         for layer in chosen:
             if not 0 <= layer < len(maps["layers"]):
-                raise ValueError(f"layer {layer} does not exist: the {kind} stack has {len(maps['layers'])} layers")
+                raise UserInputError(
+                    f"layer {layer} does not exist: the {kind} stack has {len(maps['layers'])} layers"
+                )
             heads = maps["layers"][layer]  # (h, queries, keys)
             columns = min(4, heads.shape[0])
             rows = math.ceil(heads.shape[0] / columns)

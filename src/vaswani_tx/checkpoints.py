@@ -32,13 +32,14 @@ from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from transformers.utils import SAFE_WEIGHTS_NAME
 
+from vaswani_tx.errors import UserInputError
 from vaswani_tx.modeling_vaswani import VaswaniForConditionalGeneration
 from vaswani_tx.tokenization import load_tokenizer
 
 logger = logging.getLogger(__name__)
 
 
-class CheckpointError(ValueError):
+class CheckpointError(UserInputError):
     """A checkpoint folder or file that is missing files, truncated, corrupt, unsafe to read or incompatible;
     the message names it."""
 

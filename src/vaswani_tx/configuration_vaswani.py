@@ -4,12 +4,15 @@ Defaults are the base model of Table 3 with the shared 37,000-token EN-DE vocabu
 HF's conventional names (`hidden_size`, `num_attention_heads`, `encoder_layers`, ...) are aliases of
 the paper's, so the Trainer, pipelines and `generate()` find what they look for.
 
-This file is copied next to saved weights for `trust_remote_code`: it imports only transformers.
+This file is copied next to saved weights for `trust_remote_code`: it imports only transformers and
+`errors.py` (which `save_pretrained` copies with it). A bad value raises `UserInputError`, a `ValueError`.
 """
 
 from __future__ import annotations
 
 from transformers import PreTrainedConfig
+
+from .errors import UserInputError
 
 POSITION_ENCODINGS = ("sinusoidal", "learned", "fairseq_sinusoidal")
 ACTIVATION_FUNCTIONS = ("relu", "swish")
@@ -122,7 +125,7 @@ class VaswaniConfig(PreTrainedConfig):
                 self._validate()  # reports the bad d_model / num_heads
             if self.d_model % self.num_heads:
                 unset = " and ".join(name for name in ("d_k", "d_v") if getattr(self, name) is None)
-                raise ValueError(
+                raise UserInputError(
                     f"VaswaniConfig: d_model={self.d_model} is not divisible by num_heads={self.num_heads}, "
                     f"so {unset} cannot default to d_model // num_heads; set {unset} explicitly or choose "
                     "num_heads dividing d_model."
@@ -132,7 +135,7 @@ class VaswaniConfig(PreTrainedConfig):
         self._validate()
 
     def _validate(self) -> None:
-        """Raise `ValueError` naming the field, its value and what is allowed."""
+        """Raise `UserInputError` (a `ValueError`) naming the field, its value and what is allowed."""
         for name in (
             "vocab_size",
             "d_model",
@@ -149,38 +152,38 @@ class VaswaniConfig(PreTrainedConfig):
             if value is None and name in ("d_k", "d_v", "decoder_d_ff"):
                 continue
             if not _is_int(value) or value <= 0:
-                raise ValueError(f"VaswaniConfig: {name}={value!r} is not allowed; it must be a positive integer.")
+                raise UserInputError(f"VaswaniConfig: {name}={value!r} is not allowed; it must be a positive integer.")
         for name in ("dropout", "attention_dropout", "activation_dropout"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
-                raise ValueError(f"VaswaniConfig: {name}={value!r} is not allowed; it must be a float in [0, 1).")
+                raise UserInputError(f"VaswaniConfig: {name}={value!r} is not allowed; it must be a float in [0, 1).")
         if self.position_encoding not in POSITION_ENCODINGS:
-            raise ValueError(
+            raise UserInputError(
                 f"VaswaniConfig: position_encoding={self.position_encoding!r} is not allowed; "
                 f"choose one of {POSITION_ENCODINGS}."
             )
         if self.position_encoding != "learned" and self.d_model % 2:
-            raise ValueError(
+            raise UserInputError(
                 f"VaswaniConfig: d_model={self.d_model} must be even with sinusoidal positions "
                 "(sin and cos alternate over the dimensions, Section 3.5)."
             )
         if self.position_encoding == "fairseq_sinusoidal" and (self.pad_token_id is None or self.d_model < 4):
-            raise ValueError(
+            raise UserInputError(
                 f"VaswaniConfig: position_encoding='fairseq_sinusoidal' needs pad_token_id (positions start at "
                 f"pad_token_id + 1) and d_model >= 4; got pad_token_id={self.pad_token_id!r}, d_model={self.d_model}."
             )
         if self.activation_function not in ACTIVATION_FUNCTIONS:
-            raise ValueError(
+            raise UserInputError(
                 f"VaswaniConfig: activation_function={self.activation_function!r} is not allowed; "
                 f"choose one of {ACTIVATION_FUNCTIONS}."
             )
         for name in ("attention_bias", "final_logits_bias", "share_encoder_decoder_embeddings", "skip_padding"):
             if not isinstance(getattr(self, name), bool):
-                raise ValueError(
+                raise UserInputError(
                     f"VaswaniConfig: {name}={getattr(self, name)!r} is not allowed; it must be True or False."
                 )
         if self.share_encoder_decoder_embeddings and self.decoder_vocab_size not in (None, self.vocab_size):
-            raise ValueError(
+            raise UserInputError(
                 f"VaswaniConfig: decoder_vocab_size={self.decoder_vocab_size!r} differs from vocab_size={self.vocab_size} "
                 "but share_encoder_decoder_embeddings=True; set share_encoder_decoder_embeddings=False for a "
                 "separate target vocabulary."
@@ -188,19 +191,21 @@ class VaswaniConfig(PreTrainedConfig):
         if not self.share_encoder_decoder_embeddings and (
             not _is_int(self.decoder_vocab_size) or self.decoder_vocab_size <= 0
         ):
-            raise ValueError(
+            raise UserInputError(
                 f"VaswaniConfig: decoder_vocab_size={self.decoder_vocab_size!r} is not allowed; with "
                 "share_encoder_decoder_embeddings=False it must be the target vocabulary's size (a positive integer)."
             )
         if not isinstance(self.layer_norm_eps, (int, float)) or self.layer_norm_eps <= 0:
-            raise ValueError(f"VaswaniConfig: layer_norm_eps={self.layer_norm_eps!r} is not allowed; it must be > 0.")
+            raise UserInputError(
+                f"VaswaniConfig: layer_norm_eps={self.layer_norm_eps!r} is not allowed; it must be > 0."
+            )
         for name in ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id"):
             value = getattr(self, name)
             if value is None:
                 continue
             if not _is_int(value) or not 0 <= value < self.target_vocab_size:
                 size = "vocab_size" if self.share_encoder_decoder_embeddings else "decoder_vocab_size"
-                raise ValueError(
+                raise UserInputError(
                     f"VaswaniConfig: {name}={value!r} is not allowed; it must be an id in [0, {size}={self.target_vocab_size})."
                 )
 

@@ -41,6 +41,7 @@ import numpy as np
 import pyarrow.compute as pc
 from torch.utils.data import Sampler
 
+from vaswani_tx.errors import UserInputError
 from vaswani_tx.text_io import CorpusError, iter_lines  # callers import both from here too
 
 # Beside a `vaswani-tx prepare-data` output: the tokenizer folder it was encoded with and that tokenizer's
@@ -185,12 +186,16 @@ def load_wmt14(
     ``split`` is ``train``, ``validation`` (newstest2013, the paper's dev set) or ``test`` (newstest2014).
 
     Raises:
-        ValueError: a language pair without English.
+        UserInputError: a language pair without English, or a split WMT14 does not have.
         ConnectionError: the Hub cannot be reached and the data is not in the datasets cache.
     """
     other = {source_lang, target_lang} - {"en"}
     if len(other) != 1:
-        raise ValueError(f"WMT14 pairs English with one other language; got {source_lang!r} -> {target_lang!r}")
+        raise UserInputError(f"WMT14 pairs English with one other language; got {source_lang!r} -> {target_lang!r}")
+    if split.partition("[")[0] not in ("train", "validation", "test"):  # datasets' slices (train[:1%]) are fine
+        raise UserInputError(
+            f"WMT14 has the splits train, validation (newstest2013) and test (newstest2014); got {split!r}"
+        )
     config = f"{other.pop()}-en"
     try:
         raw = datasets.load_dataset(WMT14_HUB_PATH, config, split=split, cache_dir=cache_dir, num_proc=num_proc)
@@ -254,9 +259,9 @@ def clean_pairs(
     rule off.
     """
     if min_words < 0 or (max_words is not None and max_words < min_words):
-        raise ValueError(f"need 0 <= min_words <= max_words, got min_words={min_words}, max_words={max_words}")
+        raise UserInputError(f"need 0 <= min_words <= max_words, got min_words={min_words}, max_words={max_words}")
     if max_length_ratio is not None and max_length_ratio < 1:
-        raise ValueError(f"max_length_ratio is longer/shorter and must be >= 1, got {max_length_ratio}")
+        raise UserInputError(f"max_length_ratio is longer/shorter and must be >= 1, got {max_length_ratio}")
     removed = {"empty": 0, "length": 0, "length ratio": 0}
     if deduplicate:
         removed["duplicate"] = 0
@@ -359,7 +364,7 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
         pad_to_multiple_of: int | None = None,
     ) -> None:
         if not isinstance(max_tokens, (int, np.integer)) or max_tokens <= 0:
-            raise ValueError(f"max_tokens must be a positive number of tokens per batch, got {max_tokens!r}")
+            raise UserInputError(f"max_tokens must be a positive number of tokens per batch, got {max_tokens!r}")
         if num_replicas < 1 or not 0 <= rank < num_replicas:
             raise ValueError(f"need 0 <= rank < num_replicas, got rank={rank}, num_replicas={num_replicas}")
         if pad_to_multiple_of is not None and pad_to_multiple_of < 1:
@@ -510,6 +515,6 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
         mine = self.state_dict()
         for key in ("seed", "max_tokens", "num_pairs", "num_replicas", "rank"):
             if state[key] != mine[key]:
-                raise ValueError(f"cannot resume: saved {key}={state[key]}, this sampler has {key}={mine[key]}")
+                raise UserInputError(f"cannot resume: saved {key}={state[key]}, this sampler has {key}={mine[key]}")
         self.epoch = int(state["epoch"])
         self._resume_at = self._yielded = int(state["batches_yielded"])

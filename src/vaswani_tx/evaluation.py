@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from vaswani_tx.errors import UserInputError
 from vaswani_tx.text_io import decode_lines, iter_lines
 
 if TYPE_CHECKING:
@@ -80,7 +81,7 @@ def read_lines(path: str | PathLike[str]) -> list[str]:
 
     Lines end at ``\\n`` only (``vaswani_tx.text_io``: ``str.splitlines`` would also break at U+2028
     and friends and misalign a corpus); trailing whitespace, ``\\r`` included, is stripped. Bytes that
-    are not UTF-8 raise ``CorpusError`` (a ``ValueError``) naming the file, the line and the byte.
+    are not UTF-8 raise ``CorpusError`` (a ``UserInputError``) naming the file, the line and the byte.
     """
     return [line.rstrip() for line in iter_lines(path)]
 
@@ -98,13 +99,13 @@ def read_references(
     """The references of each sentence, from one file per reference position (``read_text``).
 
     Every file must have ``line_count`` lines, the count of ``aligned_with`` (e.g. ``"source file
-    test.en"``); a different count raises ``ValueError`` naming both files and counts.
+    test.en"``); a different count raises ``UserInputError`` naming both files and counts.
     """
     streams = []
     for reference_file in reference_files:
         stream = read_text(reference_file)
         if len(stream) != line_count:
-            raise ValueError(
+            raise UserInputError(
                 f"line counts differ: {line_count} lines in {aligned_with}, {len(stream)} lines in reference file {reference_file}"
             )
         streams.append(stream)
@@ -119,7 +120,7 @@ def score_files(
 ) -> dict[str, Any]:
     """Score a hypothesis file against one reference file or several (one reference per file).
 
-    Files are line-aligned UTF-8 text; a different line count raises ``ValueError`` naming both counts.
+    Files are line-aligned UTF-8 text; a different line count raises ``UserInputError`` naming both counts.
     """
     if isinstance(reference_files, (str, PathLike)):
         reference_files = [reference_files]
@@ -140,7 +141,7 @@ def make_compute_metrics(
     ``eval_sacrebleu`` etc. The signatures go to this module's logger once, since a Trainer logs numbers only.
     """
     if tokenizer.pad_token_id is None:
-        raise ValueError("the tokenizer has no pad token: -100 label padding cannot be decoded")
+        raise UserInputError("the tokenizer has no pad token: -100 label padding cannot be decoded")
     metric = load_metric()
     signatures_logged = False
 
@@ -151,7 +152,7 @@ def make_compute_metrics(
             generated = generated[0]
         generated = np.asarray(generated)
         if generated.ndim != 2 or not np.issubdtype(generated.dtype, np.integer):
-            raise ValueError(
+            raise UserInputError(
                 f"compute_metrics expects generated token ids (2-D integers), got shape {generated.shape} "
                 f"dtype {generated.dtype}: set predict_with_generate=True in Seq2SeqTrainingArguments"
             )

@@ -8,7 +8,8 @@
 - :class:`RunLock` is the lock ``train`` holds on ``output_dir`` while it writes it: a second run on the
   same folder is refused, naming the process that holds it; a lock left by a killed run is taken over.
 
-Standard library only: a command's checks never wait on torch or transformers.
+Its refusals are :class:`~vaswani_tx.errors.UserInputError` (a missing or unwritable location: the ``OSError``
+that names it). Standard library only: a command's checks never wait on torch or transformers.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ import socket
 import tempfile
 import time
 from pathlib import Path
+
+from vaswani_tx.errors import UserInputError
 
 LOCK_NAME = ".vaswani-train.lock"
 
@@ -57,17 +60,19 @@ def require_vaswani_model(path: str | os.PathLike) -> None:
     if not path.exists():
         raise FileNotFoundError(f"model folder {path} does not exist")
     if not path.is_dir():
-        raise ValueError(f"{path} is a file, not a model folder")
+        raise UserInputError(f"{path} is a file, not a model folder")
     if not (path / "config.json").is_file():
         kind = folder_kind(path)
-        raise ValueError(f"{path} is not a model folder: it has no config.json" + (f" (it is {kind})" if kind else ""))
+        raise UserInputError(
+            f"{path} is not a model folder: it has no config.json" + (f" (it is {kind})" if kind else "")
+        )
     try:
         config = json.loads((path / "config.json").read_text(encoding="utf-8"))
     except (ValueError, UnicodeDecodeError) as err:
-        raise ValueError(f"{path / 'config.json'} is not a valid JSON config ({err})") from None
+        raise UserInputError(f"{path / 'config.json'} is not a valid JSON config ({err})") from None
     model_type = config.get("model_type") if isinstance(config, dict) else None
     if model_type != "vaswani":
-        raise ValueError(
+        raise UserInputError(
             f"{path} holds a model of type {model_type!r}, not a vaswani_tx model ('vaswani'): "
             f"convert it first (`vaswani-tx convert {path} OUT`)"
         )
@@ -79,7 +84,7 @@ def refuse_to_overwrite(path: str | os.PathLike, force: bool, option: str = "--f
     if not path.exists():
         return
     if not path.is_dir():
-        raise ValueError(f"output folder {path} exists and is a file, not a folder")
+        raise UserInputError(f"output folder {path} exists and is a file, not a folder")
     if force or not any(path.iterdir()):
         return
     kind = folder_kind(path)
@@ -94,14 +99,14 @@ def check_writable(path: str | os.PathLike, kind: str = "dir") -> None:
     "file" for a file. Writes and removes a probe file in the nearest existing folder."""
     path = Path(path)
     if kind == "file" and path.is_dir():
-        raise ValueError(f"output file {path} is a folder; give a file name")
+        raise UserInputError(f"output file {path} is a folder; give a file name")
     if kind == "dir" and path.exists() and not path.is_dir():
-        raise ValueError(f"output folder {path} is a file, not a folder")
+        raise UserInputError(f"output folder {path} is a file, not a folder")
     probe_in = path if kind == "dir" else path.parent
     while not probe_in.exists():
         probe_in = probe_in.parent
     if not probe_in.is_dir():
-        raise ValueError(f"cannot write {path}: {probe_in} is a file, not a folder")
+        raise UserInputError(f"cannot write {path}: {probe_in} is a file, not a folder")
     try:
         with tempfile.NamedTemporaryFile(dir=probe_in, prefix=".vaswani-probe-"):
             pass
@@ -119,7 +124,7 @@ def _alive(pid: int) -> bool:
     return True
 
 
-class RunLockError(RuntimeError):
+class RunLockError(UserInputError, RuntimeError):  # a RuntimeError before UserInputError existed: still one
     """Another live process holds the run folder."""
 
 

@@ -1,7 +1,7 @@
 """Publishing a trained model: the complete hub file set and a model card, saved locally or pushed.
 
 `save_for_hub` writes what a hub user needs: config.json with `auto_map` and `custom_pipelines`, the
-code files (configuration, modeling, generation, pipeline, static decoding), safetensors weights,
+code files (configuration, modeling, generation, pipeline, static decoding, skip padding, errors), safetensors weights,
 generation_config.json, the tokenizer files, and README.md rendered from the package's model card
 template with the training data, the measured scores with their signatures, and every departure
 from the paper.
@@ -19,6 +19,7 @@ from string import Template
 from typing import Any
 
 from .configuration_vaswani import VaswaniConfig
+from .errors import UserInputError
 from .paper import DEPARTURES_FROM_THE_PAPER
 
 TEMPLATE = Path(__file__).with_name("templates") / "model_card_template.md"
@@ -31,6 +32,8 @@ REQUIRED_FILES = (
     "generation_vaswani.py",
     "pipeline_vaswani.py",
     "static_decoding.py",
+    "skip_padding.py",
+    "errors.py",
     "tokenizer.json",
     "tokenizer_config.json",
     "README.md",
@@ -162,15 +165,15 @@ def save_for_hub(model, tokenizer, folder: str | os.PathLike, **card: Any) -> Pa
 
 
 def check_hub_folder(folder: str | os.PathLike) -> None:
-    """Raise ValueError naming every file a hub user would miss, or a config without the remote-code entries."""
+    """Raise UserInputError naming every file a hub user would miss, or a config without the remote-code entries."""
     folder = Path(folder)
     missing = [name for name in REQUIRED_FILES if not (folder / name).is_file()]
     if missing:
-        raise ValueError(f"{folder} is not a complete vaswani_tx model folder: missing {', '.join(missing)}")
+        raise UserInputError(f"{folder} is not a complete vaswani_tx model folder: missing {', '.join(missing)}")
     config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
     for key in ("auto_map", "custom_pipelines"):
         if key not in config:
-            raise ValueError(
+            raise UserInputError(
                 f"{folder / 'config.json'} has no {key!r}: save the model with save_pretrained of vaswani_tx"
             )
 

@@ -29,11 +29,14 @@ import torch
 from torch import nn
 from torch.ao.nn.quantized.dynamic import Linear as DynamicQuantizedLinear  # imported by torch itself already
 
+from vaswani_tx.errors import UserInputError
+
 
 def quantize_int8(model: nn.Module, inplace: bool = False) -> nn.Module:
     """Return `model` with int8 dynamically quantized linear layers, in eval mode (a copy unless `inplace`).
 
-    Raises ValueError for a model that is not float32: quantization starts from float32 weights.
+    Raises ValueError for a model that is not float32 (quantization starts from float32 weights), and
+    UserInputError on a machine whose torch has no int8 engine (decode without int8 there).
     """
     from torch.ao.quantization import per_channel_dynamic_qconfig, quantize_dynamic
 
@@ -43,8 +46,9 @@ def quantize_int8(model: nn.Module, inplace: bool = False) -> nn.Module:
             f"quantize_int8 needs a float32 model; this one has parameters of {sorted(map(str, dtypes))}."
         )
     if torch.backends.quantized.engine not in ("fbgemm", "x86", "onednn", "qnnpack"):
-        raise RuntimeError(
-            f"no int8 engine on this machine (torch.backends.quantized.engine={torch.backends.quantized.engine!r})."
+        raise UserInputError(
+            f"no int8 engine on this machine (torch.backends.quantized.engine={torch.backends.quantized.engine!r}): "
+            "decode without int8 (--int8) here"
         )
     if not inplace:
         model = copy.deepcopy(model)

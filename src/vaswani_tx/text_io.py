@@ -15,8 +15,10 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable, Iterator
 
+from vaswani_tx.errors import UserInputError
 
-class CorpusError(ValueError):
+
+class CorpusError(UserInputError):
     """Bad corpus input; the message names the file and line or the value."""
 
 

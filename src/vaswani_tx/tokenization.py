@@ -48,6 +48,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 from transformers import PreTrainedTokenizerFast
 
+from vaswani_tx.errors import UserInputError
 from vaswani_tx.text_io import iter_lines
 
 if TYPE_CHECKING:
@@ -98,7 +99,7 @@ def _corpus_batches(
     if _is_dataset(corpus):
         missing = [name for name in columns if name not in corpus.column_names]
         if missing:
-            raise ValueError(f"dataset has no column(s) {missing}; its columns are {corpus.column_names}")
+            raise UserInputError(f"dataset has no column(s) {missing}; its columns are {corpus.column_names}")
         for batch in corpus.select_columns(list(columns)).iter(batch_size=10_000):
             for name in columns:
                 yield batch[name]
@@ -146,15 +147,15 @@ def train_tokenizer(
         show_progress: the `tokenizers` progress bar on stderr.
 
     Raises:
-        ValueError: the corpus has no text, or ``vocab_size`` cannot hold the special tokens and the
+        UserInputError: the corpus has no text, or ``vocab_size`` cannot hold the special tokens and the
             corpus alphabet.
     """
     if kind not in DEFAULT_VOCAB_SIZE:
-        raise ValueError(f"kind must be one of {sorted(DEFAULT_VOCAB_SIZE)}, got {kind!r}")
+        raise UserInputError(f"kind must be one of {sorted(DEFAULT_VOCAB_SIZE)}, got {kind!r}")
     vocab_size = DEFAULT_VOCAB_SIZE[kind] if vocab_size is None else vocab_size
     reserved = SPECIAL_TOKENS + (BYTE_TOKENS if kind == "bpe" else ())
     if vocab_size <= len(reserved):
-        raise ValueError(
+        raise UserInputError(
             f"vocab_size={vocab_size} is smaller than the alphabet: {kind} reserves {len(reserved)} ids for "
             f"special{' and byte' if kind == 'bpe' else ''} tokens before any character"
         )
@@ -204,12 +205,12 @@ def train_tokenizer(
 
     tokenizer.train_from_iterator(counted(_corpus_batches(corpus, columns)), trainer=trainer)
     if lines_seen == 0:
-        raise ValueError(f"cannot train a vocabulary on an empty corpus: {_describe(corpus)} has no text")
+        raise UserInputError(f"cannot train a vocabulary on an empty corpus: {_describe(corpus)} has no text")
     learned = tokenizer.get_vocab_size()
     if learned > vocab_size:
         # The trainers keep the whole alphabet even when it overflows vocab_size; refuse instead.
         characters = learned - len(reserved)
-        raise ValueError(
+        raise UserInputError(
             f"vocab_size={vocab_size} is smaller than the alphabet of {_describe(corpus)}: "
             f"{len(reserved)} reserved tokens + {characters} characters need at least {learned}"
         )
@@ -228,7 +229,7 @@ def wrap_tokenizer(tokenizer: Tokenizer) -> PreTrainedTokenizerFast:
     for token, expected in zip(SPECIAL_TOKENS, range(4)):
         actual = tokenizer.token_to_id(token)
         if actual != expected:
-            raise ValueError(f"special token {token} must have id {expected}, the tokenizer gives it {actual}")
+            raise UserInputError(f"special token {token} must have id {expected}, the tokenizer gives it {actual}")
     return PreTrainedTokenizerFast(
         tokenizer_object=tokenizer,
         pad_token=PAD_TOKEN,
@@ -277,7 +278,7 @@ def check_tokenizer_fits_model(tokenizer: Any, config: Any) -> None:
       another model of the same size is refused too.
 
     Raises:
-        ValueError: ``model config and tokenizer disagree; ...`` naming every field that differs,
+        UserInputError: ``model config and tokenizer disagree; ...`` naming every field that differs,
             with both values.
     """
     clashes = []
@@ -319,7 +320,7 @@ def check_tokenizer_fits_model(tokenizer: Any, config: Any) -> None:
             "(a vocabulary of the same size but other tokens: the tokenizer of another model)"
         )
     if clashes:
-        raise ValueError("model config and tokenizer disagree; " + "; ".join(clashes))
+        raise UserInputError("model config and tokenizer disagree; " + "; ".join(clashes))
 
 
 def load_tokenizer(folder: str | os.PathLike) -> PreTrainedTokenizerFast:
@@ -328,4 +329,7 @@ def load_tokenizer(folder: str | os.PathLike) -> PreTrainedTokenizerFast:
 
     if not (Path(folder) / "tokenizer.json").is_file():
         raise FileNotFoundError(f"{folder} holds no tokenizer.json; create one with `vaswani-tx train-tokenizer`")
-    return AutoTokenizer.from_pretrained(folder)
+    try:
+        return AutoTokenizer.from_pretrained(folder)
+    except Exception as err:  # a tokenizer.json tokenizers cannot read is a bare Exception, bad JSON a ValueError
+        raise UserInputError(f"{folder} holds no tokenizer that AutoTokenizer can load ({err})") from err

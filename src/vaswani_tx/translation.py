@@ -30,7 +30,8 @@ from typing import Any
 
 import torch
 
-from vaswani_tx.checkpoints import CheckpointError, check_safetensors
+from vaswani_tx.checkpoints import check_safetensors
+from vaswani_tx.errors import UserInputError
 from vaswani_tx.evaluation import read_text
 from vaswani_tx.tokenization import check_tokenizer_fits_model
 
@@ -54,9 +55,9 @@ def plan_batches(lengths: Sequence[int], max_tokens: int, max_sentences: int | N
     its own (decoding never drops a line, unlike training's sampler). Ties keep input order.
     """
     if max_tokens < 1:
-        raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
+        raise UserInputError(f"max_tokens must be at least 1, got {max_tokens}")
     if max_sentences is not None and max_sentences < 1:
-        raise ValueError(f"max_sentences (batch size) must be at least 1, got {max_sentences}")
+        raise UserInputError(f"max_sentences (batch size) must be at least 1, got {max_sentences}")
     order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
     batches: list[list[int]] = []
     current: list[int] = []
@@ -81,26 +82,23 @@ def check_model_folder(folder: Path) -> None:
         raise FileNotFoundError(f"model folder {folder} does not exist")
     config_file = folder / "config.json"
     if not config_file.is_file():
-        raise ValueError(
+        raise UserInputError(
             f"{folder} is not a model folder: it has no config.json (give the output of save_pretrained, "
             "`vaswani-tx train` or `vaswani-tx average-checkpoints`)"
         )
     try:
         model_type = json.loads(config_file.read_text(encoding="utf-8")).get("model_type")
     except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as err:
-        raise ValueError(f"{config_file} is not a valid JSON config ({err})") from None
+        raise UserInputError(f"{config_file} is not a valid JSON config ({err})") from None
     if model_type != "vaswani":
-        raise ValueError(
+        raise UserInputError(
             f"{folder} holds a model of type {model_type!r}, not a vaswani_tx model ('vaswani'): "
             f"convert it first (`vaswani-tx convert {folder} OUT`)"
         )
     if not any((folder / name).is_file() for name in WEIGHT_FILES):
-        raise ValueError(f"{folder} has a config but no weights ({' or '.join(WEIGHT_FILES)})")
+        raise UserInputError(f"{folder} has a config but no weights ({' or '.join(WEIGHT_FILES)})")
     if (folder / WEIGHT_FILES[0]).is_file():
-        try:
-            check_safetensors(folder / WEIGHT_FILES[0])
-        except CheckpointError as err:
-            raise ValueError(str(err)) from None
+        check_safetensors(folder / WEIGHT_FILES[0])  # CheckpointError, a UserInputError, for truncated weights
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
@@ -109,15 +107,15 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
         resolved = torch.device(device)
-    except RuntimeError as err:
-        raise ValueError(f"unknown device {device!r} ({err})") from None
+    except RuntimeError as err:  # torch's word for a string that names no device
+        raise UserInputError(f"unknown device {device!r} ({err})") from None
     if resolved.type == "cuda":
         if not torch.cuda.is_available():
-            raise ValueError(f"device {device!r}: no CUDA GPU is available here; use --device cpu (or auto)")
+            raise UserInputError(f"device {device!r}: no CUDA GPU is available here; use --device cpu (or auto)")
         if resolved.index is not None and resolved.index >= torch.cuda.device_count():
-            raise ValueError(f"device {device!r}: this machine has {torch.cuda.device_count()} CUDA GPU(s)")
+            raise UserInputError(f"device {device!r}: this machine has {torch.cuda.device_count()} CUDA GPU(s)")
     if resolved.type == "mps" and not torch.backends.mps.is_available():
-        raise ValueError(f"device {device!r}: MPS is not available here; use --device cpu (or auto)")
+        raise UserInputError(f"device {device!r}: MPS is not available here; use --device cpu (or auto)")
     return resolved
 
 
@@ -125,7 +123,7 @@ def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
     if dtype is None or isinstance(dtype, torch.dtype):
         return dtype
     if dtype not in DTYPES:
-        raise ValueError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+        raise UserInputError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
     return DTYPES[dtype]
 
 
@@ -203,7 +201,7 @@ class Translator:
             return  # sinusoids extend to any length (Section 3.5)
         for index, ids in zip(todo, encoded):
             if len(ids) > config.max_position_embeddings:
-                raise ValueError(
+                raise UserInputError(
                     f"line {index + 1} is {len(ids)} tokens long, more than this model's learned positions "
                     f"allow (max_position_embeddings={config.max_position_embeddings}): split or shorten it"
                 )
@@ -221,8 +219,9 @@ def load_translator(
 
     Raises:
         FileNotFoundError: the folder does not exist.
-        ValueError: not a model folder, a model of another type, truncated weights, no usable
-            tokenizer, or a tokenizer that does not fit the model; each message names the problem.
+        UserInputError: not a model folder, a model of another type, truncated weights, no usable
+            tokenizer, a tokenizer that does not fit the model, or a device or dtype this machine cannot
+            use; each message names the problem.
     """
     from transformers import AutoTokenizer
 
@@ -232,19 +231,19 @@ def load_translator(
     check_model_folder(folder)
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder)
-    except (OSError, ValueError, TypeError) as err:
-        raise ValueError(
+    except (OSError, ValueError, TypeError) as err:  # transformers' words for tokenizer files it cannot read
+        raise UserInputError(
             f"{folder} holds no tokenizer that AutoTokenizer can load ({err}); save the tokenizer next to "
             "the weights (tokenizer.save_pretrained(folder))"
-        ) from None
+        ) from err
     device = resolve_device(device)
     if int8 and (device.type != "cpu" or resolve_dtype(dtype) not in (None, torch.float32)):
-        raise ValueError(f"int8 decoding runs on the CPU from float32 weights, not on {device} in {dtype}")
+        raise UserInputError(f"int8 decoding runs on the CPU from float32 weights, not on {device} in {dtype}")
     model = VaswaniForConditionalGeneration.from_pretrained(folder, dtype=resolve_dtype(dtype))
     try:
         check_tokenizer_fits_model(tokenizer, model.config)
-    except ValueError as err:
-        raise ValueError(f"{folder}: {err}") from None
+    except UserInputError as err:
+        raise UserInputError(f"{folder}: {err}") from None
     if int8:
         from vaswani_tx.quantization import quantize_int8
 

@@ -3,6 +3,11 @@
 Each command module defines ``add_arguments(parser)`` and ``run(args) -> int``; it is imported only
 when its command runs, so ``vaswani-tx --help`` stays fast and a command's heavy imports (datasets,
 the Trainer) never slow down another.
+
+Errors are reported in one place, `main()`: a `UserInputError` (a config, corpus, checkpoint, conversion
+or folder the command cannot use) or an `OSError` (a file that is missing or unreadable, a full disk, a
+refused permission) is one line ``vaswani-tx COMMAND: error: MESSAGE`` and exit status 2; anything else
+is a bug, one line naming it and exit status 1, with the traceback under ``--debug``.
 """
 
 from __future__ import annotations
@@ -10,6 +15,8 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+
+from vaswani_tx.errors import UserInputError
 
 # command name -> (module under vaswani_tx.cli, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -32,7 +39,8 @@ def fail(command: str, message: object) -> int:
     """Report bad input (a config, checkpoint, corpus or file a command cannot use) the one way every command
     does: ``vaswani-tx COMMAND: error: MESSAGE`` on stderr; returns the exit status, 2 (argparse's for bad usage).
 
-    Library modules raise exceptions; only the command modules turn them into this message."""
+    `main()` calls it for every `UserInputError` and `OSError` a command lets out; a command calls it itself
+    only for a check of its own arguments made before any library call."""
     print(f"vaswani-tx {command}: error: {message}", file=sys.stderr)
     return 2
 
@@ -48,11 +56,11 @@ def output_dir(args: argparse.Namespace) -> str:
     """The folder `add_output_dir_argument` parsed.
 
     Raises:
-        ValueError: none given, or two different ones (OUT and -o)."""
+        UserInputError: none given, or two different ones (OUT and -o)."""
     given = {path for path in (args.out, args.output_dir) if path}
     if len(given) != 1:
         problem = "no output folder" if not given else f"two output folders ({args.out} and {args.output_dir})"
-        raise ValueError(f"{problem}: give one, as OUT or -o/--output-dir")
+        raise UserInputError(f"{problem}: give one, as OUT or -o/--output-dir")
     return given.pop()
 
 
@@ -75,7 +83,24 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def describe_os_error(error: OSError) -> str:
+    """An `OSError` as one line that names its file: the system's ``[Errno 2] No such file or directory: 'x'``
+    becomes ``x: No such file or directory``; one raised with a message of ours (``FileExistsError("output
+    folder x already exists ...")``, which sets no ``strerror``) is that message."""
+    if error.filename is None or error.strerror is None:
+        return str(error)
+    files = error.filename if error.filename2 is None else f"{error.filename} -> {error.filename2}"
+    return f"{files}: {error.strerror}"
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Run one command; its exit status: 0 done, 1 a bug (an exception no check foresaw), 2 bad input or a
+    file the command could not use, 130 interrupted.
+
+    `UserInputError` is the package's one family for input a user can fix. `OSError` is caught with it: a
+    missing or unreadable file, a full disk or a refused permission is the user's environment, not a bug, and
+    the error names the file. Everything else (a ``ValueError`` from torch's shape checks included) is one line
+    asking for a report, and ``--debug`` lets it out with its traceback."""
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     # argparse stops filling a nargs="*" positional at the first option: `train CONFIG --resume k=v`
@@ -92,6 +117,10 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"vaswani-tx {args.command}: interrupted", file=sys.stderr)
         return 130
+    except UserInputError as error:
+        return fail(args.command, error)
+    except OSError as error:
+        return fail(args.command, describe_os_error(error))
     except Exception as error:  # a case no check foresaw: one line, exit 1; --debug shows the traceback
         if args.debug:
             raise

@@ -34,35 +34,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from vaswani_tx.attention_maps import plot_attention_maps
+    from vaswani_tx.errors import UserInputError
     from vaswani_tx.folders import check_writable
     from vaswani_tx.translation import load_translator
 
     layers = None if args.layers is None else [n - 1 for n in args.layers]
     if not args.source.strip():
         return fail("attention", "--sentence is empty: give the sentence to draw attention for")
-    try:
-        check_writable(args.output_dir)
-        translator = load_translator(args.model, device="cpu")  # the folder checks `translate` makes
-        config = translator.model.config
-        for kind in args.kinds:
-            count = config.num_encoder_layers if kind == "encoder" else config.num_decoder_layers
-            stack = {"encoder": "encoder", "decoder": "decoder", "cross": "decoder (cross-attention)"}[kind]
-            wrong = [n for n in args.layers or () if not 1 <= n <= count]
-            if wrong:
-                raise ValueError(
-                    f"--layers {' '.join(map(str, wrong))}: the {stack} stack has {count} layers, numbered 1 to {count}"
-                )
-        paths = plot_attention_maps(
-            translator.model,
-            translator.tokenizer,
-            args.source,
-            args.output_dir,
-            target=args.target,
-            kinds=args.kinds,
-            layers=layers,
-        )
-    except (ValueError, OSError) as err:  # not a usable model folder, a layer it does not have, unwritable output
-        return fail("attention", err)
+    check_writable(args.output_dir)
+    translator = load_translator(args.model, device="cpu")  # the folder checks `translate` makes
+    config = translator.model.config
+    for kind in args.kinds:
+        count = config.num_encoder_layers if kind == "encoder" else config.num_decoder_layers
+        stack = {"encoder": "encoder", "decoder": "decoder", "cross": "decoder (cross-attention)"}[kind]
+        wrong = [n for n in args.layers or () if not 1 <= n <= count]
+        if wrong:
+            raise UserInputError(
+                f"--layers {' '.join(map(str, wrong))}: the {stack} stack has {count} layers, numbered 1 to {count}"
+            )
+    paths = plot_attention_maps(
+        translator.model,
+        translator.tokenizer,
+        args.source,
+        args.output_dir,
+        target=args.target,
+        kinds=args.kinds,
+        layers=layers,
+    )
     for path in paths:
         print(path)
     return 0

@@ -54,29 +54,26 @@ def run(args: argparse.Namespace) -> int:
 
     if args.last < 1:
         return fail("average-checkpoints", f"--last must be >= 1, got {args.last}")
-    try:
-        refuse_to_overwrite(args.output_dir, args.force)
-        check_writable(args.output_dir)
-        # a run folder holds checkpoint-<step> folders (and, once finished, its final model too)
-        if len(args.paths) > 1:
-            for path in args.paths:
-                if Path(path).is_dir() and checkpoint_folders(path):
-                    raise CheckpointError(
-                        f"{path} is a run folder (it holds checkpoint-<step> folders): give one run folder, "
-                        "or checkpoint folders, not several runs"
-                    )
-        if len(args.paths) == 1 and checkpoint_folders(args.paths[0]):  # one run: its last complete checkpoints
-            output, chosen = average_last_checkpoints(
-                args.paths[0], args.last, args.output_dir, warn=lambda line: print(line, file=sys.stderr)
-            )
-            if len(chosen) < args.last:
-                print(f"only {len(chosen)} complete checkpoints in {args.paths[0]}: averaged those")
-        else:
-            if len(args.paths) == 1 and not (Path(args.paths[0]) / "config.json").is_file():
-                raise CheckpointError(f"{args.paths[0]} holds no checkpoint-<step> folders")
-            chosen = [Path(p) for p in args.paths]
-            output = average_checkpoints(chosen, args.output_dir)
-    except (ValueError, OSError) as err:  # CheckpointError is a ValueError
-        return fail("average-checkpoints", err)
+    refuse_to_overwrite(args.output_dir, args.force)
+    check_writable(args.output_dir)
+    # a run folder holds checkpoint-<step> folders (and, once finished, its final model too)
+    if len(args.paths) > 1:
+        for path in args.paths:
+            if Path(path).is_dir() and checkpoint_folders(path):
+                raise CheckpointError(
+                    f"{path} is a run folder (it holds checkpoint-<step> folders): give one run folder, "
+                    "or checkpoint folders, not several runs"
+                )
+    if len(args.paths) == 1 and checkpoint_folders(args.paths[0]):  # one run: its last complete checkpoints
+        output, chosen = average_last_checkpoints(
+            args.paths[0], args.last, args.output_dir, warn=lambda line: print(line, file=sys.stderr)
+        )
+        if len(chosen) < args.last:
+            print(f"only {len(chosen)} complete checkpoints in {args.paths[0]}: averaged those")
+    else:
+        if len(args.paths) == 1 and not (Path(args.paths[0]) / "config.json").is_file():
+            raise CheckpointError(f"{args.paths[0]} holds no checkpoint-<step> folders")
+        chosen = [Path(p) for p in args.paths]
+        output = average_checkpoints(chosen, args.output_dir)
     print(f"averaged {len(chosen)} checkpoints ({', '.join(p.name for p in chosen)}) into {output}")
     return 0

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import argparse
 
-from vaswani_tx.cli import add_output_dir_argument, fail, output_dir
+from vaswani_tx.cli import add_output_dir_argument, output_dir
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -30,13 +30,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from vaswani_tx.folders import refuse_to_overwrite
 
-    try:
-        out = output_dir(args)
-        refuse_to_overwrite(out, args.force)
-        from vaswani_tx.convert import convert
+    out = output_dir(args)
+    refuse_to_overwrite(out, args.force)
+    from vaswani_tx.convert import convert
 
-        out = convert(args.source, out)
-    except (ValueError, OSError) as err:  # ConversionError, CheckpointError, VaswaniConfig's checks, unreadable files
-        return fail("convert", err)
+    out = convert(args.source, out)
     print(f"converted {args.source} -> {out}")
     return 0

@@ -71,10 +71,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _test_set(args: argparse.Namespace) -> tuple[str, str, list[str], list[list[str]]]:
     """(name, target language, sources, references per sentence) from the arguments."""
+    from vaswani_tx.errors import UserInputError
     from vaswani_tx.evaluation import read_references, read_text
 
     if bool(args.wmt14) == bool(args.source):
-        raise ValueError("give either --source and --reference files or --wmt14 SRC-TGT")
+        raise UserInputError("give either --source and --reference files or --wmt14 SRC-TGT")
     if args.wmt14:
         from vaswani_tx.data import load_wmt14
 
@@ -83,17 +84,18 @@ def _test_set(args: argparse.Namespace) -> tuple[str, str, list[str], list[list[
         name = {"test": "newstest2014", "validation": "newstest2013"}[args.split]
         return name, args.target_lang or target_lang, list(data["source"]), [[t] for t in data["target"]]
     if not args.reference:
-        raise ValueError("--source needs at least one --reference file to score against")
+        raise UserInputError("--source needs at least one --reference file to score against")
     sources = read_text(args.source)
     references = read_references(args.reference, len(sources), f"source file {args.source}")
     target_lang = args.target_lang or Path(args.reference[0]).suffix.lstrip(".")
     if not (target_lang.isalpha() and len(target_lang) == 2):  # ISO 639-1, as sacreBLEU and Moses take it
-        raise ValueError(f"cannot tell the target language from {args.reference[0]}: give --target-lang (e.g. de)")
+        raise UserInputError(f"cannot tell the target language from {args.reference[0]}: give --target-lang (e.g. de)")
     name = args.name or Path(args.source).stem
     return name, target_lang, sources, references
 
 
 def run(args: argparse.Namespace) -> int:
+    from vaswani_tx.errors import UserInputError
     from vaswani_tx.evaluation import score
     from vaswani_tx.folders import check_writable
     from vaswani_tx.translation import load_translator, write_lines
@@ -101,45 +103,42 @@ def run(args: argparse.Namespace) -> int:
     problem = check_decoding_arguments(args)
     if problem:
         return fail("evaluate", problem)
-    try:
-        check_writable(args.output_dir)  # before any decoding: an unwritable folder would lose it all
-        name, target_lang, sources, references = _test_set(args)
-        if not sources:
-            raise ValueError("the test set is empty")
-        if not any(line.strip() for line in sources):
-            raise ValueError(f"the test set's {len(sources)} source lines are all blank: nothing to translate")
-        translator = load_translator(args.model, device=args.device, dtype=args.dtype, int8=args.int8)
-        start = time.perf_counter()
-        hypotheses = translator.translate(sources, **decoding_options(args))
-        seconds = time.perf_counter() - start
-        results = score(hypotheses, references, target_lang, args.compound_splitting)
+    check_writable(args.output_dir)  # before any decoding: an unwritable folder would lose it all
+    name, target_lang, sources, references = _test_set(args)
+    if not sources:
+        raise UserInputError("the test set is empty")
+    if not any(line.strip() for line in sources):
+        raise UserInputError(f"the test set's {len(sources)} source lines are all blank: nothing to translate")
+    translator = load_translator(args.model, device=args.device, dtype=args.dtype, int8=args.int8)
+    start = time.perf_counter()
+    hypotheses = translator.translate(sources, **decoding_options(args))
+    seconds = time.perf_counter() - start
+    results = score(hypotheses, references, target_lang, args.compound_splitting)
 
-        output_dir = Path(args.output_dir)
-        hypothesis_file = output_dir / f"{name}.hyp.{target_lang}"
-        write_lines(hypotheses, hypothesis_file)
-        generation = translator.model.generation_config
-        settings = {
-            "model": str(args.model),
-            "test_set": name,
-            "sentences": len(sources),
-            "target_lang": target_lang,
-            "num_beams": args.num_beams or generation.num_beams,
-            "length_penalty": args.length_penalty if args.length_penalty is not None else generation.length_penalty,
-            "length_penalty_type": getattr(generation, "length_penalty_type", "hf"),
-            "max_output_length_offset": args.max_length_offset
-            if args.max_length_offset is not None
-            else getattr(generation, "max_output_length_offset", None),
-            "device": str(translator.device),
-            "dtype": str(translator.model.dtype).removeprefix("torch."),
-            "int8": args.int8,
-            "static_cache": args.static_cache,
-            "decoding_seconds": round(seconds, 2),
-            "hypotheses": str(hypothesis_file),
-        }
-        scores_file = output_dir / f"{name}.scores.json"
-        scores_file.write_text(json.dumps({**settings, **results}, indent=1, default=float) + "\n", encoding="utf-8")
-    except (ValueError, OSError) as err:  # a bad file, folder or test set; an unreachable Hub
-        return fail("evaluate", err)
+    output_dir = Path(args.output_dir)
+    hypothesis_file = output_dir / f"{name}.hyp.{target_lang}"
+    write_lines(hypotheses, hypothesis_file)
+    generation = translator.model.generation_config
+    settings = {
+        "model": str(args.model),
+        "test_set": name,
+        "sentences": len(sources),
+        "target_lang": target_lang,
+        "num_beams": args.num_beams or generation.num_beams,
+        "length_penalty": args.length_penalty if args.length_penalty is not None else generation.length_penalty,
+        "length_penalty_type": getattr(generation, "length_penalty_type", "hf"),
+        "max_output_length_offset": args.max_length_offset
+        if args.max_length_offset is not None
+        else getattr(generation, "max_output_length_offset", None),
+        "device": str(translator.device),
+        "dtype": str(translator.model.dtype).removeprefix("torch."),
+        "int8": args.int8,
+        "static_cache": args.static_cache,
+        "decoding_seconds": round(seconds, 2),
+        "hypotheses": str(hypothesis_file),
+    }
+    scores_file = output_dir / f"{name}.scores.json"
+    scores_file.write_text(json.dumps({**settings, **results}, indent=1, default=float) + "\n", encoding="utf-8")
     print(
         f"{name}: {len(sources)} sentences, {settings['num_beams']} beams, alpha {settings['length_penalty']}, "
         f"{seconds:.1f} s"

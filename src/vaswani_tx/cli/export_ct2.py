@@ -32,12 +32,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        out = output_dir(args)
-        from vaswani_tx.export import export_ct2
+    import importlib.util
 
-        out = export_ct2(args.model, out, quantization=args.quantization, force=args.force)
-    except (ImportError, ValueError, OSError) as error:  # no ctranslate2; a missing, refused or unwritable folder
-        return fail("export-ct2", error)
+    out = output_dir(args)
+    if importlib.util.find_spec("ctranslate2") is None:
+        return fail("export-ct2", "CTranslate2 export needs the optional extra: pip install 'vaswani_tx[ct2]'")
+    from vaswani_tx.export import export_ct2
+
+    out = export_ct2(args.model, out, quantization=args.quantization, force=args.force)
     print(f"wrote CTranslate2 model to {out}" + (f" ({args.quantization})" if args.quantization else ""))
     return 0

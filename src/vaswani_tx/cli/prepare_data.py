@@ -115,42 +115,39 @@ def run(args: argparse.Namespace) -> int:
     for option in ("min_words", "max_words", "max_length_ratio"):
         if getattr(args, option) < 0:
             return fail("prepare-data", f"--{option.replace('_', '-')} must be >= 0, got {getattr(args, option)}")
-    try:
-        for path in (args.source_file, args.target_file, args.tsv, args.jsonl):
-            if path and os.path.isdir(path):
-                raise IsADirectoryError(f"corpus file {path} is a folder; give a text file")
-        refuse_to_overwrite(args.output_dir, args.force)
-        check_writable(args.output_dir)
-        tokenizer = load_tokenizer(args.tokenizer)
-        pairs, report = data.clean_pairs(
-            _load(args),
-            min_words=args.min_words,
-            max_words=args.max_words or None,
-            max_length_ratio=args.max_length_ratio or None,
-            deduplicate=not args.keep_duplicates,
-        )
-        print(report)
-        encoded = data.tokenize_pairs(pairs, tokenizer, num_proc=args.num_proc)
-        source_lengths = data.sequence_lengths(encoded, "input_ids")
-        target_lengths = data.sequence_lengths(encoded, "labels")
+    for path in (args.source_file, args.target_file, args.tsv, args.jsonl):
+        if path and os.path.isdir(path):
+            raise IsADirectoryError(f"corpus file {path} is a folder; give a text file")
+    refuse_to_overwrite(args.output_dir, args.force)
+    check_writable(args.output_dir)
+    tokenizer = load_tokenizer(args.tokenizer)
+    pairs, report = data.clean_pairs(
+        _load(args),
+        min_words=args.min_words,
+        max_words=args.max_words or None,
+        max_length_ratio=args.max_length_ratio or None,
+        deduplicate=not args.keep_duplicates,
+    )
+    print(report)
+    encoded = data.tokenize_pairs(pairs, tokenizer, num_proc=args.num_proc)
+    source_lengths = data.sequence_lengths(encoded, "input_ids")
+    target_lengths = data.sequence_lengths(encoded, "labels")
+    print(
+        f"tokens per sentence (with </s>): source {source_lengths.mean():.1f}, target {target_lengths.mean():.1f}; "
+        f"longest: source {source_lengths.max()}, target {target_lengths.max()}"
+    )
+    if args.max_tokens is not None:
+        sampler = data.TokenBudgetBatchSampler(source_lengths, target_lengths, args.max_tokens)
         print(
-            f"tokens per sentence (with </s>): source {source_lengths.mean():.1f}, target {target_lengths.mean():.1f}; "
-            f"longest: source {source_lengths.max()}, target {target_lengths.max()}"
+            f"max_tokens={args.max_tokens}: {len(sampler)} batches; {sampler.num_oversized} pairs too long for the budget"
         )
-        if args.max_tokens is not None:
-            sampler = data.TokenBudgetBatchSampler(source_lengths, target_lengths, args.max_tokens)
-            print(
-                f"max_tokens={args.max_tokens}: {len(sampler)} batches; {sampler.num_oversized} pairs too long for the budget"
-            )
-        encoded.save_to_disk(args.output_dir)
-        record = {
-            "tokenizer": str(Path(args.tokenizer).resolve()),
-            "tokenizer_fingerprint": vocabulary_fingerprint(tokenizer),
-        }
-        (Path(args.output_dir) / data.PREPARED_DATA_RECORD).write_text(
-            json.dumps(record, indent=2) + "\n", encoding="utf-8"
-        )
-    except (ValueError, OSError) as err:  # CorpusError; a missing file or an unreachable Hub
-        return fail("prepare-data", err)
+    encoded.save_to_disk(args.output_dir)
+    record = {
+        "tokenizer": str(Path(args.tokenizer).resolve()),
+        "tokenizer_fingerprint": vocabulary_fingerprint(tokenizer),
+    }
+    (Path(args.output_dir) / data.PREPARED_DATA_RECORD).write_text(
+        json.dumps(record, indent=2) + "\n", encoding="utf-8"
+    )
     print(f"saved {encoded.num_rows} pairs to {args.output_dir}")
     return 0

@@ -96,11 +96,12 @@ def check_decoding_arguments(args: argparse.Namespace) -> str | None:
             return f"--{option.replace('_', '-')} must be >= {least}, got {value}"
     if args.length_penalty is not None and not math.isfinite(args.length_penalty):
         return f"--length-penalty must be a finite number, got {args.length_penalty}"
-    try:
-        from vaswani_tx.translation import resolve_device
+    from vaswani_tx.errors import UserInputError
+    from vaswani_tx.translation import resolve_device
 
+    try:
         resolve_device(args.device)
-    except ValueError as err:
+    except UserInputError as err:  # before the model loads: a GPU that is not here
         return str(err)
     return None
 
@@ -139,8 +140,6 @@ def run(args: argparse.Namespace) -> int:
         translator = load_translator(args.model, device=args.device, dtype=args.dtype, int8=args.int8)
         hypotheses = translator.translate(lines, **decoding_options(args))
         write_lines(hypotheses, args.output)
-    except (ValueError, OSError) as err:  # CorpusError, CheckpointError and the model folder checks are ValueErrors
-        return fail("translate", err)
     except KeyboardInterrupt:
         where = f"{args.output} was not written" if args.output not in (None, "-") else "no translation was printed"
         print(

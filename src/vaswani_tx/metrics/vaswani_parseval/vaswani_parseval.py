@@ -4,7 +4,9 @@ An ``evaluate`` metric module that loads offline from the installed package
 (``vaswani_tx.evaluation.load_metric(name="vaswani_parseval")``, or ``evaluate.load(<path of this file>)``).
 ``evaluate`` copies this one file into its module cache and imports it from there, so it imports only
 ``evaluate`` and ``datasets``; the tree reader, the normalisation and the scorer all live here, and
-``vaswani_tx.parsing`` imports them from this file (one copy of the code).
+``vaswani_tx.parsing`` imports them from this file (one copy of the code). Where ``vaswani_tx`` is
+installed, its errors for bad trees are ``vaswani_tx.errors.UserInputError`` (the CLI's exit 2); without
+it, plain ``ValueError``.
 
 Scoring follows EVALB (Sekine and Collins, 1997) with the ``COLLINS.prm`` parameters that every WSJ
 section-23 figure since Collins (1997), the paper's Table 4 included, was computed with:
@@ -28,9 +30,9 @@ preprocessing of every WSJ parser evaluation. Labels that are whole ``-XXX-`` to
 ``-NONE-``) are kept as they are.
 
 Differences from the C program: a sentence whose gold and predicted words differ in number raises
-``ValueError`` naming it (EVALB skips it and counts an error, which would let a broken parser score
-well); predicted POS tags are not scored (tagging accuracy is not reported: parsers in the style of
-Vinyals et al. (2015) predict no tags).
+``UserInputError`` (a ``ValueError``) naming it (EVALB skips it and counts an error, which would let a broken
+parser score well); predicted POS tags are not scored (tagging accuracy is not reported: parsers in the style
+of Vinyals et al. (2015) predict no tags).
 """
 
 from __future__ import annotations
@@ -41,6 +43,13 @@ from collections.abc import Iterator, Sequence
 
 import datasets
 import evaluate
+
+# Bad trees are user input inside vaswani_tx; evaluate's own copy of this file needs no vaswani_tx (its scan
+# for required packages reads unindented imports only).
+try:
+    from vaswani_tx.errors import UserInputError
+except ImportError:
+    UserInputError = ValueError
 
 _CITATION = """\
 @inproceedings{vaswani2017attention,
@@ -73,7 +82,7 @@ EQUIVALENT_LABELS = {"PRT": "ADVP"}  # COLLINS.prm EQ_LABEL ADVP PRT
 EMPTY_ELEMENT_TAG = "-NONE-"
 
 
-class TreebankFormatError(ValueError):
+class TreebankFormatError(UserInputError):
     """Bracketed text that is not a tree; the message starts with ``source:line:column``."""
 
 
@@ -287,7 +296,7 @@ def sentence_brackets(gold: Tree, predicted: Tree, index: int = 0) -> tuple[Coun
     gold, predicted = normalize_tree(gold), normalize_tree(predicted)
     gold_tags, predicted_words = gold.tags(), predicted.words()
     if len(gold_tags) != len(predicted_words):
-        raise ValueError(
+        raise UserInputError(
             f"sentence {index + 1}: the gold tree has {len(gold_tags)} words, the predicted tree "
             f"{len(predicted_words)}; trees must cover the same words"
         )
@@ -303,10 +312,10 @@ def bracket_scores(
     Trees may be :class:`Tree` objects or bracketed strings. Percentages are 0-100.
 
     Raises:
-        ValueError: the two lists differ in length, or a sentence's trees differ in word count.
+        UserInputError: the two lists differ in length, or a sentence's trees differ in word count.
     """
     if len(gold_trees) != len(predicted_trees):
-        raise ValueError(f"{len(gold_trees)} gold trees but {len(predicted_trees)} predicted trees")
+        raise UserInputError(f"{len(gold_trees)} gold trees but {len(predicted_trees)} predicted trees")
     matched = gold_total = predicted_total = exact = crossing = no_crossing = sentences = 0
     for index, (gold, predicted) in enumerate(zip(gold_trees, predicted_trees)):
         gold = parse_tree(gold) if isinstance(gold, str) else gold
