@@ -19,7 +19,7 @@ from transformers import AutoConfig, AutoModel, AutoModelForSeq2SeqLM
 
 import vaswani_tx
 from vaswani_tx import GNMTLengthPenalty, VaswaniConfig, VaswaniForConditionalGeneration, VaswaniModel
-from vaswani_tx.convert import vaswani_to_marian
+from vaswani_tx.export import vaswani_to_marian
 from vaswani_tx.modeling_vaswani import sinusoidal_table
 from vaswani_tx.paper import ALL_MODEL_CONFIGS, PAPER_VOCAB_SIZE, TABLE3, TOLERANCE_MILLIONS, model_config_overrides
 from vaswani_tx.params import count_parameters, load_model_config
@@ -404,6 +404,74 @@ def test_output_length_cap_is_source_length_plus_50_per_example(num_beams):
     assert out.shape[1] == 1 + 7 + 50
 
 
+def logits_position_by_position(model, ids, mask, targets, cache, first: int = 1) -> torch.Tensor:
+    """The logits of each target position from forwards through `cache`: the first `first` positions in one call
+    (a prefill), then one new position per call, as decoding runs."""
+    encoder_outputs = model.get_encoder()(input_ids=ids, attention_mask=mask)
+    steps = [(0, first)] + [(t, t + 1) for t in range(first, targets.shape[1])]
+    logits = []
+    for start, end in steps:
+        output = model(
+            encoder_outputs=encoder_outputs,
+            attention_mask=mask,
+            decoder_input_ids=targets[:, start:end],
+            past_key_values=cache,
+            use_cache=True,
+        )
+        logits.append(output.logits)
+    return torch.cat(logits, dim=1)
+
+
+@pytest.mark.parametrize("cache_kind, first", [("dynamic", 1), ("dynamic", 3), ("static", 1), ("static", 3)])
+def test_one_forward_gives_the_same_logits_without_a_cache_and_with_either(cache_kind, first):
+    """Training (whole targets, no cache), the dynamic cache and the static one run the same layer code: the
+    logits of every position agree whichever way they were reached."""
+    from transformers import DynamicCache, StaticCache
+    from transformers.cache_utils import EncoderDecoderCache
+
+    model = tiny_model(seed=2)
+    ids, mask = batch()
+    targets = torch.cat(
+        [torch.full((3, 1), BOS), torch.randint(4, 61, (3, 6), generator=torch.Generator().manual_seed(3))], 1
+    )
+    with torch.no_grad():
+        whole = model(input_ids=ids, attention_mask=mask, decoder_input_ids=targets, use_cache=False).logits
+        if cache_kind == "dynamic":
+            cache = EncoderDecoderCache(DynamicCache(), DynamicCache())
+        else:
+            cache = EncoderDecoderCache(
+                StaticCache(config=model.config, max_cache_len=targets.shape[1]),
+                StaticCache(config=model.config, max_cache_len=ids.shape[1]),
+            )
+        stepped = logits_position_by_position(model, ids, mask, targets, cache, first)
+    torch.testing.assert_close(stepped, whole, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("num_beams", [1, 3])
+def test_generate_gives_the_same_with_the_dynamic_cache_the_static_one_and_none(num_beams):
+    """generate(): the same tokens and scores, greedy and beam, with each cache (the static one eagerly here; its
+    compiled step: test_speed.py) and without one."""
+    model = tiny_model(seed=4, tie_word_embeddings=False)  # a random model that repeats itself less than most
+    ids, mask = batch(lengths=(8, 3, 5))
+    kwargs = dict(
+        input_ids=ids,
+        attention_mask=mask,
+        num_beams=num_beams,
+        num_return_sequences=min(num_beams, 2),
+        max_new_tokens=10,
+        output_scores=True,
+        return_dict_in_generate=True,
+    )
+    reference = model.generate(**kwargs)
+    assert len(set(reference.sequences[:, 1:].flatten().tolist())) > 3
+    for other in (
+        model.generate(**kwargs, use_cache=False),
+        model.generate(**kwargs, cache_implementation="static", disable_compile=True),
+    ):
+        torch.testing.assert_close(other.sequences, reference.sequences, rtol=0, atol=0)
+        torch.testing.assert_close(torch.stack(other.scores), torch.stack(reference.scores), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("num_beams", [1, 3])
 def test_generate_with_cache_equals_without(num_beams):
     model = tiny_model()
@@ -508,11 +576,13 @@ def test_auto_classes_are_registered(tmp_path):
     assert files == [
         "config.json",
         "configuration_vaswani.py",
+        "errors.py",  # UserInputError, raised by the config and the model
         "generation_config.json",
         "generation_vaswani.py",
         "model.safetensors",
         "modeling_vaswani.py",
         "pipeline_vaswani.py",
+        "skip_padding.py",
         "static_decoding.py",
     ]
     saved = json.loads((tmp_path / "config.json").read_text())

@@ -3,9 +3,9 @@ GNMT form, and a maximum output length of each source's length + 50.
 
 `generate()` has beam search, early stopping and logits processors; what it lacks is the GNMT length
 penalty (`GNMTLengthPenalty`) and a maximum length per sentence rather than per batch
-(`SourceLengthCap`). `VaswaniGenerationMixin` adds both to `generate()` and hands a static cache
-(`cache_implementation="static"`) to static_decoding.py. No second beam search: everything else is
-transformers'.
+(`SourceLengthCap`). `VaswaniGenerationMixin` adds both to `generate()`, and answers transformers' hooks
+for a static cache (`cache_implementation="static"`) with static_decoding.py's cache and compiled step.
+No second beam search: everything else is transformers'.
 
 Where this departs from the paper (pinned by a test): beam search uses `generate()`'s early stopping,
 a sentence stops once `num_beams` hypotheses have ended, the closest `generate()` comes to "terminate
@@ -18,15 +18,30 @@ transformers and static_decoding.py only.
 from __future__ import annotations
 
 import torch
+from torch import nn
 from transformers import GenerationConfig, GenerationMixin
 from transformers.generation.logits_process import LogitsProcessor, LogitsProcessorList
-from transformers.modeling_outputs import Seq2SeqLMOutput
 
-from .static_decoding import StaticDecodingCache, is_static_cache
+from .static_decoding import (
+    CACHE_FIELD,
+    StaticDecodingCache,
+    StaticDecodingStep,
+    is_static_cache,
+    rows_per_source,
+)
 
-# transformers 5.24 renamed the decoding cache `past_key_values` -> `cache`, in generate()'s model kwargs, its calls to
-# forward and the output classes (the old name is a deprecated alias). This is the installed release's name for it.
-CACHE_FIELD = "cache" if "cache" in Seq2SeqLMOutput.__dataclass_fields__ else "past_key_values"
+
+def decoding_cache(past_key_values=None, cache=None):
+    """The decoding cache a caller passed to forward, under the old name or the new one (`cache`, from
+    transformers 5.24 on; never both): the model takes either and writes outputs under the installed release's
+    name (CACHE_FIELD), so one saved model decodes with old and new releases. A transformers StaticCache made by
+    hand becomes a `StaticDecodingCache` (decoded eagerly), whose layers the model's attention can read."""
+    if past_key_values is not None and cache is not None:
+        raise ValueError("Pass the decoding cache as `cache` or as `past_key_values`, not both.")
+    cache = cache if cache is not None else past_key_values
+    if is_static_cache(cache) and not isinstance(cache, StaticDecodingCache):
+        return StaticDecodingCache.from_cache(cache, compile=False)
+    return cache
 
 
 class GNMTLengthPenalty(float):
@@ -136,6 +151,13 @@ class VaswaniGenerationMixin(GenerationMixin):
         max_len_b = kwargs.pop("max_len_b", getattr(config, "max_len_b", None))
         if offset_given and not cap_given:  # a caller's offset replaces the config's fairseq cap
             max_len_b = None
+        static = kwargs.get("cache_implementation", config.cache_implementation) == "static"
+        for name in ("output_attentions", "output_hidden_states"):
+            if static and kwargs.get(name, getattr(config, name, False)):
+                raise ValueError(
+                    f"{name} is not supported with a static cache (cache_implementation='static'), which keeps "
+                    "the encoder-decoder attention once per source; decode with the default dynamic cache instead."
+                )
         if penalty_type not in ("gnmt", "hf"):
             raise ValueError(
                 f"length_penalty_type={penalty_type!r} is not allowed; choose 'gnmt' (the paper's) or 'hf'."
@@ -171,21 +193,38 @@ class VaswaniGenerationMixin(GenerationMixin):
         )
 
     def _prepare_cache_for_generation(self, generation_config: GenerationConfig, model_kwargs: dict, *args, **kwargs):
-        """transformers' cache, except that a static one becomes a `StaticDecodingCache`, which carries
-        whether its decoding step is compiled (`disable_compile` in the generation config)."""
+        """transformers' cache, except that a static one becomes a `StaticDecodingCache`, which keeps the
+        encoder-decoder keys once per source and carries whether its decoding step is compiled
+        (`disable_compile` in the generation config)."""
         super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
         cache = model_kwargs.get(CACHE_FIELD)
         if is_static_cache(cache) and not isinstance(cache, StaticDecodingCache):
-            model_kwargs[CACHE_FIELD] = StaticDecodingCache(
-                cache.self_attention_cache,
-                cache.cross_attention_cache,
-                compile=not generation_config.disable_compile,
+            encoder_outputs = model_kwargs.get("encoder_outputs")
+            rows = 1
+            if encoder_outputs is not None:  # expanded for beams by now: the beams of a source share its keys
+                rows = rows_per_source(encoder_outputs[0], model_kwargs.get("attention_mask"))
+            model_kwargs[CACHE_FIELD] = StaticDecodingCache.from_cache(
+                cache, compile=not generation_config.disable_compile, rows_per_source=rows
             )
+
+    def __call__(self, *args, **kwargs):
+        """`nn.Module`'s call, except that a decoding step with a `StaticDecodingCache` that compiles runs
+        static_decoding.py's compiled step (`StaticDecodingStep`), which hands back to the model's forward what
+        it does not cover. Here rather than in transformers' `get_compiled_call`, which beam search never asks."""
+        cache = kwargs.get(CACHE_FIELD, kwargs.get("past_key_values"))
+        if isinstance(cache, StaticDecodingCache) and cache.compile:
+            return StaticDecodingStep(self)(**kwargs)
+        return nn.Module.__call__(self, *args, **kwargs)
 
     def _valid_auto_compile_criteria(self, model_kwargs: dict, generation_config: GenerationConfig) -> bool:
         """Never compile the whole forward (transformers would, on GPU, with a static cache): the static-cache
-        path compiles its own decoding step, and forward's input checks would break the graph."""
+        path compiles its own decoding step (`__call__`), and forward's input checks would break the graph."""
         return False
+
+    def create_masks_for_generate(self, config=None, inputs_embeds=None, attention_mask=None, **kwargs):
+        """The decoder's mask as it was given (2D or None): the model builds its own additive masks, over the
+        positions a cache holds, rather than read the 4D ones transformers makes for compilable caches."""
+        return attention_mask
 
     def _source_lengths(
         self, input_ids: torch.Tensor | None, attention_mask: torch.Tensor | None

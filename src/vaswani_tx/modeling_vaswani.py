@@ -2,26 +2,24 @@
 
 The classes follow the paper's order: positional encoding (3.5), scaled dot-product and multi-head
 attention (3.2), the position-wise feed-forward network (3.3), encoder and decoder layers and stacks
-(3.1), embeddings shared with the pre-softmax projection (3.4), then the Hugging Face model classes;
-skipping padding (`PaddingPlan`), an engineering choice, closes the file. Section 6.1's decoding (beam
-search settings, length penalty, output length) is generation_vaswani.py.
+(3.1), embeddings shared with the pre-softmax projection (3.4), then the Hugging Face model classes.
+Section 6.1's decoding (beam search settings, length penalty, output length) is generation_vaswani.py.
 
 Shape legend: B batch, S source length, T target length (new tokens this call), P cached target
-positions, h heads, d_k query/key size per head, d_v value size per head, D d_model, F d_ff, V vocabulary.
+positions, G sources whose rows share cached keys (G divides B), h heads, d_k query/key size per head,
+d_v value size per head, D d_model, F d_ff, V vocabulary.
+
+One body per layer: training and decoding with any cache (transformers' dynamic one, static_decoding.py's
+slots, compiled or not) run the same `forward`. The attention takes the keys and values of earlier positions
+and of the source from the cache it is given (transformers' `EncoderDecoderCache` interface).
 
 Where this file departs from the paper, and why (each is pinned by a test):
 - Initialisation is not given in the paper. Linear weights use Xavier-uniform, as in the authors'
   tensor2tensor code; biases are zero; the shared embedding is N(0, D^-0.5), so that after the
   sqrt(D) scale of Section 3.4 the embeddings have unit variance, the scale's evident purpose.
 - LayerNorm epsilon is not given in the paper; 1e-5 (`layer_norm_eps`).
-- Padding is skipped: the position-wise maps (W^Q, W^K, W^V, W^O, the FFN, the pre-softmax
-  projection) run only at the positions that can affect a result, which is the same maths for every
-  real position (no real query attends to a padded key). Padded source positions and target
-  positions after the last label (or the last 1 of `decoder_attention_mask`) therefore hold no
-  meaningful values: zero projections there, and zero logits at unlabelled positions when the
-  model computes its loss. Which positions those are is decided once per forward (`PaddingPlan`);
-  without a plan every layer is the paper's equations over every position, and
-  `skip_padding=False` in the config computes them all, as other libraries do.
+- Padding is skipped: the position-wise maps run only at the positions that can affect a result, the
+  same maths for every real position (skip_padding.py; `skip_padding=False` computes them all).
 - Attention weights are normalised in float32 when the model runs in bf16/fp16, so that the softmax
   keeps its precision; masked positions get the dtype's minimum, never -inf, so a fully masked row
   gives uniform weights instead of NaN.
@@ -29,20 +27,19 @@ Options where the paper itself varies the model (Table 3): `num_heads`, `d_k`, `
 and learned positions (row E). `tie_word_embeddings=False` unties the pre-softmax projection.
 Options that only published checkpoints need (`vaswani_tx.convert`), all off by default, each a small
 named branch: `attention_bias` (biases on W^Q, W^K, W^V, W^O), `activation_function="swish"`,
-`position_encoding="fairseq_sinusoidal"`, `final_logits_bias`, separate source and target
-vocabularies (`share_encoder_decoder_embeddings=False`, `decoder_vocab_size`), and a decoder
-feed-forward size of its own (`decoder_d_ff`). Marian's and fairseq's
-sin-half/cos-half layout of the hidden dimension needs no option: conversion permutes the weights.
+`position_encoding="fairseq_sinusoidal"`, `final_logits_bias`, separate source and target vocabularies
+(`share_encoder_decoder_embeddings=False`, `decoder_vocab_size`), and a decoder feed-forward size of its
+own (`decoder_d_ff`). Marian's and fairseq's sin-half/cos-half layout of D needs no option: conversion
+permutes the weights.
 
 This file is copied next to saved weights for `trust_remote_code`: it imports only torch,
-transformers, the config, generation_vaswani.py (Section 6.1), the translation pipeline (which saving
-declares in config.json) and static_decoding.py, which runs `decode_step` with a static cache.
+transformers and the files that travel with it (the config, errors.py, skip_padding.py,
+generation_vaswani.py for Section 6.1 and the translation pipeline, which saving declares in config.json).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -59,25 +56,10 @@ from transformers.modeling_outputs import (
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .configuration_vaswani import VaswaniConfig
-from .generation_vaswani import CACHE_FIELD, VaswaniGenerationMixin, paper_generation_config
+from .errors import check_decoder_mask, check_mask, check_token_ids
+from .generation_vaswani import CACHE_FIELD, VaswaniGenerationMixin, decoding_cache, paper_generation_config
 from .pipeline_vaswani import CUSTOM_PIPELINES
-from .static_decoding import StaticDecodingCache, decode_with_static_cache, is_static_cache, reorder_static_cache
-
-# The model takes the decoding cache under either name (CACHE_FIELD: transformers 5.24 renamed it) and writes its
-# outputs under the installed release's, so one saved model decodes with old and new releases.
-
-
-def one_cache(past_key_values: Cache | None, cache: Cache | None) -> Cache | None:
-    """The decoding cache a caller passed, under the old name or the new one (never both)."""
-    if past_key_values is not None and cache is not None:
-        raise ValueError("Pass the decoding cache as `cache` or as `past_key_values`, not both.")
-    return cache if cache is not None else past_key_values
-
-
-def output_cache(output) -> Cache | None:
-    """The cache a model output carries, read under the installed transformers' name for it."""
-    return getattr(output, CACHE_FIELD)
-
+from .skip_padding import PaddingPlan, at_positions, scatter_positions
 
 # ---------------------------------------------------------------------------------------------------
 # 3.5 Positional encoding
@@ -112,9 +94,9 @@ def fairseq_sinusoidal_table(length: int, d_model: int) -> torch.Tensor:
 class SinusoidalPositionalEncoding(nn.Module):
     """Fixed sinusoids of Section 3.5 for any number of positions (the reason the paper preferred them).
 
-    The table is a plain attribute, not a parameter or buffer: it is never saved, so no checkpoint can
-    carry a stale or truncated copy, and it is rebuilt for the device and dtype it is used with, so it
-    stays exact after `from_pretrained` (meta-device init) and after `.to(dtype)`. It grows on demand.
+    The table is a plain attribute, not a parameter or buffer: never saved, so no checkpoint carries a stale
+    or truncated copy; rebuilt for the device and dtype it is used with, so it stays exact after
+    `from_pretrained` (meta-device init) and `.to(dtype)`; grown on demand.
     """
 
     def __init__(self, d_model: int, table_function=sinusoidal_table, first_position: int = 0):
@@ -215,10 +197,9 @@ class MultiHeadAttention(nn.Module):
 
     The h projections W_i^Q (D x d_k) are stored side by side as one D x h*d_k matrix (likewise K and
     V); the paper's projections have no bias, and neither do these unless `config.attention_bias`
-    (converted Marian/fairseq checkpoints) gives each Linear its own `.bias`. Keys and values of the
-    encoder-decoder attention are computed once per source and kept in the cache during decoding.
-    `forward` attends over whole sequences (training, and decoding with transformers' caches); `step`
-    attends from one new position per row against a static cache's keys and values.
+    (converted Marian/fairseq checkpoints) gives each Linear its own `.bias`. While decoding, the keys
+    and values come from the cache: the encoder-decoder attention's are computed at the first step and
+    kept; the self-attention's grow by the new positions each step.
     """
 
     def __init__(self, config: VaswaniConfig, is_causal: bool = False, layer_idx: int | None = None):
@@ -245,6 +226,27 @@ class MultiHeadAttention(nn.Module):
         value = at_positions(self.v_proj, states, index).view(batch, -1, self.num_heads, self.d_v).transpose(1, 2)
         return key, value
 
+    def cached_keys_values(
+        self,
+        states: torch.Tensor,
+        is_cross: bool,
+        past_key_values: EncoderDecoderCache | None,
+        index: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The keys and values to attend to, (B or G, h, P + T or S, d): computed from `states` (the encoder
+        output for encoder-decoder attention, the new positions for self-attention) and, while decoding,
+        taken from and added to the cache."""
+        if past_key_values is None:
+            return self.keys_values(states, index)
+        if not is_cross:
+            return past_key_values.self_attention_cache.update(*self.keys_values(states), self.layer_idx)
+        if past_key_values.is_updated.get(self.layer_idx):
+            layer = past_key_values.cross_attention_cache.layers[self.layer_idx]
+            return layer.keys, layer.values
+        key, value = past_key_values.cross_attention_cache.update(*self.keys_values(states, index), self.layer_idx)
+        past_key_values.is_updated[self.layer_idx] = True
+        return key, value
+
     def forward(
         self,
         hidden_states: torch.Tensor,
@@ -256,75 +258,36 @@ class MultiHeadAttention(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """hidden_states (B, T, D) are the queries; key_value_states (B, S, D) the encoder output for
         encoder-decoder attention, None for self-attention; `mask` additive (`additive_mask`). Returns
-        (B, T, D) and the weights if asked."""
+        (B, T, D) and the weights if asked.
+
+        A cache may keep the encoder-decoder keys once per source (G rows for B = G * k rows, the k beams
+        of each source consecutive): the k rows of a source then attend as one block of k * T queries."""
         is_cross = key_value_states is not None
         query_rows = key_rows = None
         if padding is not None:
             query_rows = padding.target if (is_cross or self.is_causal) else padding.source
             key_rows = padding.source if is_cross else query_rows
         batch, length, _ = hidden_states.shape
-        query = at_positions(self.q_proj, hidden_states, query_rows)
-        query = query.view(batch, length, self.num_heads, self.d_k).transpose(1, 2)  # (B, h, T, d_k)
+        query = at_positions(self.q_proj, hidden_states, query_rows)  # (B, T, h * d_k)
+        states = key_value_states if is_cross else hidden_states
+        key, value = self.cached_keys_values(states, is_cross, past_key_values, key_rows)
+        groups = key.shape[0]
+        query = query.view(groups, -1, self.num_heads, self.d_k).transpose(1, 2)  # (G, h, B/G * T, d_k)
+        if mask is not None and mask.shape[0] != groups:
+            mask = mask[:: batch // groups]  # the rows of one source share its mask
 
-        cache = None
-        if past_key_values is not None:
-            cache = past_key_values.cross_attention_cache if is_cross else past_key_values.self_attention_cache
-        if is_cross and cache is not None and past_key_values.is_updated.get(self.layer_idx):
-            key, value = cache.layers[self.layer_idx].keys, cache.layers[self.layer_idx].values
-        else:
-            key, value = self.keys_values(key_value_states if is_cross else hidden_states, key_rows)  # (B, h, S, d)
-            if cache is not None:
-                key, value = cache.update(key, value, self.layer_idx)  # self-attention: (B, h, P + T, d)
-                if is_cross:
-                    past_key_values.is_updated[self.layer_idx] = True
-
-        # Attention weights exist only in the eager path; asking for them selects it for this call.
+        # Attention weights exist only in the eager path; asking for them selects it for this call. So does
+        # decoding: for a few queries against cached keys, two batched products and a softmax beat the SDPA
+        # kernel, which is built for long query blocks.
         attend = scaled_dot_product_attention
-        if not output_attentions:
+        if not output_attentions and past_key_values is None:
             attend = ALL_ATTENTION_FUNCTIONS.get_interface(
                 self.config._attn_implementation, scaled_dot_product_attention
             )
-        output, weights = attend(
-            self,
-            query,
-            key,
-            value,
-            mask,
-            scaling=self.scaling,
-            dropout=self.attention_dropout if self.training else 0.0,
-        )
+        dropout = self.attention_dropout if self.training else 0.0
+        output, weights = attend(self, query, key, value, mask, scaling=self.scaling, dropout=dropout)
         output = output.reshape(batch, length, self.num_heads * self.d_v)  # Concat(head_1..head_h): (B, T, h*d_v)
         return at_positions(self.out_proj, output, query_rows), (weights if output_attentions else None)
-
-    def step(
-        self,
-        hidden_states: torch.Tensor,
-        keys: torch.Tensor,
-        values: torch.Tensor,
-        mask: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """MultiHead(Q, K, V) for one new position per row against cached keys and values (no dropout).
-
-        hidden_states (B, 1, D). Encoder-decoder attention: keys (G, h, S, d_k), values (G, h, S, d_v),
-        `mask` (G, 1, 1, S), where G divides B and the B / G consecutive rows of each key row (the beams
-        of one source) attend to it together, as one block of queries. Self-attention (`is_causal`):
-        keys (L, B, h, d_k) and values (L, B, h, d_v), position-major so that a cache's written prefix is
-        a contiguous view; the last of the L positions is this one, whose key and value are written there
-        first, in place. Every earlier position may be attended to, so no mask. Returns (B, 1, D).
-        """
-        batch, heads = hidden_states.shape[0], self.num_heads
-        if self.is_causal:
-            keys[-1].copy_(self.k_proj(hidden_states).view(batch, heads, self.d_k))
-            values[-1].copy_(self.v_proj(hidden_states).view(batch, heads, self.d_v))
-            keys, values = keys.permute(1, 2, 0, 3), values.permute(1, 2, 0, 3)  # (B, h, L, d)
-        groups = keys.shape[0]
-        query = self.q_proj(hidden_states).view(groups, -1, heads, self.d_k).transpose(1, 2)  # (G, h, k, d_k)
-        # The eager Equation 1: for one query per row, two batched products and a softmax that a compiler
-        # fuses are several times faster than the SDPA kernel, which is built for long query blocks.
-        output, _ = scaled_dot_product_attention(self, query, keys, values, mask, scaling=self.scaling)
-        return self.out_proj(
-            output.reshape(batch, 1, heads * self.d_v)
-        )  # Concat(heads) W^O: (G, k, h, d_v) -> (B, 1, D)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -386,8 +349,8 @@ class EncoderLayer(GradientCheckpointingLayer):
 
 class DecoderLayer(GradientCheckpointingLayer):
     """Masked self-attention, encoder-decoder attention, then the feed-forward network, each sub-layer
-    wrapped as LayerNorm(x + Dropout(Sublayer(x))) (Section 3.1). `forward` runs whole target sequences;
-    `step` runs one new position per row against a static cache (see `MultiHeadAttention.step`)."""
+    wrapped as LayerNorm(x + Dropout(Sublayer(x))) (Section 3.1). The same `forward` runs whole target
+    sequences in training and the new positions of each decoding step, with any cache."""
 
     def __init__(self, config: VaswaniConfig, layer_idx: int):
         super().__init__()
@@ -430,42 +393,6 @@ class DecoderLayer(GradientCheckpointingLayer):
         hidden_states = self.feed_forward_norm(hidden_states + self.dropout(fed))
         return hidden_states, self_weights, cross_weights
 
-    def step(
-        self,
-        hidden_states: torch.Tensor,
-        self_keys: torch.Tensor,
-        self_values: torch.Tensor,
-        cross_keys: torch.Tensor,
-        cross_values: torch.Tensor,
-        cross_mask: torch.Tensor,
-    ) -> torch.Tensor:
-        """The same three sub-layers for one new position per row (B, 1, D), at inference (no dropout)."""
-        hidden_states = self.self_attn_norm(hidden_states + self.self_attn.step(hidden_states, self_keys, self_values))
-        attended = self.cross_attn.step(hidden_states, cross_keys, cross_values, cross_mask)
-        hidden_states = self.cross_attn_norm(hidden_states + attended)
-        return self.feed_forward_norm(hidden_states + self.feed_forward(hidden_states))
-
-
-def check_token_ids(ids: torch.Tensor, vocab_size: int, name: str) -> None:
-    """Refuse ids outside the vocabulary with a message, rather than an opaque index error deep in the embedding."""
-    if ids.numel() == 0:
-        return
-    smallest, largest = (int(v) for v in torch.aminmax(ids))  # one pass and one sync: this runs every decode step
-    if smallest < 0 or largest >= vocab_size:
-        bad = largest if largest >= vocab_size else smallest
-        raise ValueError(
-            f"{name} contains id {bad} (largest {largest}, smallest {smallest}) outside the vocabulary of "
-            f"vocab_size={vocab_size}; ids must be in [0, {vocab_size}). Is the tokenizer the one this model was trained with?"
-        )
-
-
-def check_mask(mask: torch.Tensor | None, ids_or_embeds: torch.Tensor, mask_name: str, ids_name: str) -> None:
-    if mask is not None and tuple(mask.shape) != tuple(ids_or_embeds.shape[:2]):
-        raise ValueError(
-            f"{mask_name} has shape {tuple(mask.shape)} but {ids_name} has shape {tuple(ids_or_embeds.shape[:2])}; "
-            "they must match (batch, length)."
-        )
-
 
 class Embeddings(nn.Module):
     """Token embeddings times sqrt(d_model), plus positional encodings, then dropout (Sections 3.4, 3.5, 5.4).
@@ -479,23 +406,13 @@ class Embeddings(nn.Module):
         self.embed_positions = positional_encoding(config)
         self.dropout = nn.Dropout(config.dropout)
 
-    def forward(
-        self,
-        input_ids: torch.Tensor | None,
-        inputs_embeds: torch.Tensor | None = None,
-        offset: int = 0,
-        position_encoding: torch.Tensor | None = None,
-    ):
-        """Returns (embedding output before dropout, after dropout), both (B, length, D). `inputs_embeds`
-        replaces the table lookup and is scaled like it; `position_encoding` (length, D), when given,
-        replaces the encodings of positions offset, offset + 1, ... (a compiled decoding step takes them
-        as a tensor, so that the step does not depend on the position as a number)."""
+    def forward(self, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None = None, offset: int = 0):
+        """Returns (embedding output before dropout, after dropout), both (B, length, D), for the positions
+        offset, offset + 1, ... `inputs_embeds` replaces the table lookup and is scaled like it."""
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
         embedded = inputs_embeds * self.embed_scale
-        if position_encoding is None:
-            position_encoding = self.embed_positions(embedded.shape[1], offset, like=embedded)
-        embedded = embedded + position_encoding  # (B, L, D) + (L, D)
+        embedded = embedded + self.embed_positions(embedded.shape[1], offset, like=embedded)  # (B, L, D) + (L, D)
         return embedded, self.dropout(embedded)
 
 
@@ -579,15 +496,14 @@ class Decoder(nn.Module):
         **kwargs,
     ) -> BaseModelOutputWithPastAndCrossAttentions | tuple:
         """`padding`: the forward's `PaddingPlan`; built here from the masks when the decoder runs alone.
-        Not used with a cache: decoding computes every position it is given."""
+        Not used with a cache: decoding computes every position it is given. `past_key_values`: any cache
+        with the interface of transformers' `EncoderDecoderCache` (see `MultiHeadAttention.cached_keys_values`)."""
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Decoder: pass exactly one of decoder_input_ids and decoder_inputs_embeds.")
         if encoder_hidden_states is None:
-            raise ValueError(
-                "Decoder: encoder_hidden_states are required (the decoder attends to the encoder output)."
-            )
+            raise ValueError("Decoder: encoder_hidden_states are required (it attends to the encoder output).")
         target = input_ids if input_ids is not None else inputs_embeds
-        if input_ids is not None:
+        if input_ids is not None and not torch.compiler.is_compiling():  # a compiled step's caller checks them
             check_token_ids(input_ids, self.config.target_vocab_size, "decoder_input_ids")
         output_attentions = bool(output_attentions)
         use_cache = self.config.use_cache if use_cache is None else use_cache
@@ -595,7 +511,7 @@ class Decoder(nn.Module):
 
         if use_cache and past_key_values is None:
             past_key_values = EncoderDecoderCache(DynamicCache(), DynamicCache())
-        if past_key_values is not None and not isinstance(past_key_values, EncoderDecoderCache):
+        if past_key_values is not None and not hasattr(past_key_values, "cross_attention_cache"):
             raise TypeError(
                 f"past_key_values must be an EncoderDecoderCache (self- and cross-attention), got {type(past_key_values).__name__}."
             )
@@ -603,12 +519,8 @@ class Decoder(nn.Module):
             past_key_values = None
         past_length = past_key_values.get_seq_length() if past_key_values is not None else 0
         length = target.shape[1]
-        if attention_mask is not None and attention_mask.shape[1] not in (length, past_length + length):
-            raise ValueError(
-                f"decoder_attention_mask has length {attention_mask.shape[1]} but the decoder sees {length} new "
-                f"positions after {past_length} cached ones; it must have length {length} or {past_length + length}."
-            )
-        if attention_mask is not None and attention_mask.shape[1] == length and past_length:
+        check_decoder_mask(attention_mask, length, past_length)
+        if attention_mask is not None and attention_mask.shape[1] == length and past_length:  # over the cache too
             attention_mask = torch.cat(
                 [attention_mask.new_ones(attention_mask.shape[0], past_length), attention_mask], 1
             )
@@ -619,7 +531,8 @@ class Decoder(nn.Module):
             padding = PaddingPlan.build(self.config, encoder_attention_mask, attention_mask, target_length=length)
         embedded, hidden_states = self.embeddings(input_ids, inputs_embeds, offset=past_length)
         self_mask = additive_mask(attention_mask, length, past_length + length, causal=True, dtype=embedded.dtype)
-        cross_mask = self.cross_attention_mask(encoder_attention_mask, encoder_hidden_states.shape[1], embedded.dtype)
+        source_length = encoder_hidden_states.shape[1]  # every target position may attend to every real source one
+        cross_mask = additive_mask(encoder_attention_mask, 1, source_length, causal=False, dtype=embedded.dtype)
         all_hidden = [embedded] if output_hidden_states else None
         all_self, all_cross = ([], []) if output_attentions else (None, None)
         for layer in self.layers:
@@ -645,14 +558,6 @@ class Decoder(nn.Module):
             cross_attentions=tuple(all_cross) if output_attentions else None,
         )
         return output if return_dict else output.to_tuple()
-
-    @staticmethod
-    def cross_attention_mask(
-        encoder_attention_mask: torch.Tensor | None, source_length: int, dtype: torch.dtype
-    ) -> torch.Tensor | None:
-        """The encoder-decoder attention's additive mask, (B, 1, 1, S): every target position may attend
-        to every real source position."""
-        return additive_mask(encoder_attention_mask, 1, source_length, causal=False, dtype=dtype)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -746,15 +651,13 @@ class VaswaniModel(VaswaniPreTrainedModel):
         """`padding`: the `PaddingPlan` of VaswaniForConditionalGeneration's forward, which knows the labels;
         without one, the encoder and the decoder each plan from their masks. `cache` is `past_key_values` under
         the name transformers uses from 5.24 on."""
-        past_key_values = one_cache(past_key_values, cache)
+        past_key_values = decoding_cache(past_key_values, cache)
         if decoder_input_ids is None and decoder_inputs_embeds is None:
-            raise ValueError(
-                "Pass decoder_input_ids (the target shifted right, starting with decoder_start_token_id="
-                f"{self.config.decoder_start_token_id}), or labels to VaswaniForConditionalGeneration, which shifts them."
-            )
+            start = self.config.decoder_start_token_id
+            raise ValueError(f"Pass decoder_input_ids (the target shifted right, starting with {start}), or labels.")
         return_dict = self.config.return_dict if return_dict is None else return_dict
-        output_hidden_states = (
-            self.config.output_hidden_states if output_hidden_states is None else output_hidden_states
+        output_hidden_states = output_hidden_states or (
+            output_hidden_states is None and self.config.output_hidden_states
         )
         if encoder_outputs is None:
             encoder_outputs = self.encoder(
@@ -783,7 +686,7 @@ class VaswaniModel(VaswaniPreTrainedModel):
         )
         output = Seq2SeqModelOutput(
             last_hidden_state=decoder_outputs.last_hidden_state,
-            **{CACHE_FIELD: output_cache(decoder_outputs)},
+            **{CACHE_FIELD: getattr(decoder_outputs, CACHE_FIELD)},
             decoder_hidden_states=decoder_outputs.hidden_states,
             decoder_attentions=decoder_outputs.attentions,
             cross_attentions=decoder_outputs.cross_attentions,
@@ -809,6 +712,8 @@ class VaswaniForConditionalGeneration(VaswaniPreTrainedModel, VaswaniGenerationM
     (generation_vaswani.py)."""
 
     _tied_weights_keys = {"lm_head.weight": "model.shared.weight"}
+    # Decoding steps with a static cache that compiles (generation_vaswani.py): nn.Module's call would come first.
+    __call__ = VaswaniGenerationMixin.__call__
 
     def __init__(self, config: VaswaniConfig):
         super().__init__(config)
@@ -857,26 +762,14 @@ class VaswaniForConditionalGeneration(VaswaniPreTrainedModel, VaswaniGenerationM
         cache: Cache | None = None,
         **kwargs,
     ) -> Seq2SeqLMOutput | tuple:
-        past_key_values = one_cache(past_key_values, cache)  # generate() passes `cache` from transformers 5.24 on
+        """The Transformer's output distribution for each target position (logits (B, T, V)), and with `labels`
+        the cross-entropy loss. `cache` is `past_key_values` under the name transformers uses from 5.24 on."""
+        past_key_values = decoding_cache(past_key_values, cache)
         return_dict = self.config.return_dict if return_dict is None else return_dict
         if input_ids is not None and attention_mask is None and self.config.pad_token_id is not None:
             attention_mask = input_ids.ne(self.config.pad_token_id).long()
-        if labels is None and use_cache is not False and is_static_cache(past_key_values):
-            output = self._forward_static_cache(
-                input_ids,
-                attention_mask,
-                decoder_input_ids,
-                decoder_attention_mask,
-                encoder_outputs,
-                past_key_values,
-                inputs_embeds,
-                decoder_inputs_embeds,
-                output_attentions,
-                output_hidden_states,
-            )
-            return output if return_dict else output.to_tuple()
         padding = None
-        if labels is not None:
+        if labels is not None:  # training: whole targets, no cache, only the positions that can matter
             check_token_ids(labels[labels.ne(-100)], self.config.target_vocab_size, "labels")
             use_cache = False
             if decoder_input_ids is None and decoder_inputs_embeds is None:
@@ -900,113 +793,35 @@ class VaswaniForConditionalGeneration(VaswaniPreTrainedModel, VaswaniGenerationM
             return_dict=True,
             padding=padding,
         )
-        hidden = outputs.last_hidden_state  # (B, T, D)
-        labelled = padding.labelled if padding is not None else None
-        if labelled is None:
-            picked_labels, logits = labels, self._project(hidden)  # (B, T, V)
-            picked = logits
-        else:  # the projection, the largest product of all, only at labelled positions; zero logits elsewhere
-            batch, length, _ = hidden.shape
-            picked = self._project(hidden.reshape(batch * length, -1).index_select(0, labelled))  # (N, V)
-            logits = scatter_positions(picked, labelled, batch, length)  # the loss below needs `picked` itself
-            picked_labels = labels.reshape(-1).index_select(0, labelled)
-        loss = None
-        if labels is not None:
-            loss = nn.functional.cross_entropy(
-                picked.float().reshape(-1, picked.shape[-1]),
-                picked_labels.to(picked.device).reshape(-1),
-                ignore_index=-100,
-            )
-        output = Seq2SeqLMOutput(
-            loss=loss,
-            logits=logits,
-            **{CACHE_FIELD: output_cache(outputs)},
-            decoder_hidden_states=outputs.decoder_hidden_states,
-            decoder_attentions=outputs.decoder_attentions,
-            cross_attentions=outputs.cross_attentions,
-            encoder_last_hidden_state=outputs.encoder_last_hidden_state,
-            encoder_hidden_states=outputs.encoder_hidden_states,
-            encoder_attentions=outputs.encoder_attentions,
-        )
+        logits, loss = self.logits_and_loss(outputs.last_hidden_state, labels, padding)
+        carried = {name: value for name, value in outputs.items() if name != "last_hidden_state"}  # cache, weights...
+        output = Seq2SeqLMOutput(loss=loss, logits=logits, **carried)
         return output if return_dict else output.to_tuple()
 
-    def decode_step(
-        self,
-        tokens: torch.Tensor,
-        position_encoding: torch.Tensor,
-        self_keys: list[torch.Tensor],
-        self_values: list[torch.Tensor],
-        cross_keys: list[torch.Tensor],
-        cross_values: list[torch.Tensor],
-        cross_mask: torch.Tensor,
-    ) -> torch.Tensor:
-        """Logits (B, 1, V) for the next target position, whose input tokens are `tokens` (B, 1): the
-        decoder of Section 3.1 one position at a time, as static_decoding.py runs it (compiled or not).
-
-        `position_encoding` (1, D) is this position's; per layer, `self_keys` / `self_values` hold the
-        cache's positions up to and including this one, (P + 1, B, h, d), and this position's key and
-        value are written into the last slot; `cross_keys` / `cross_values` (G, h, S, d) and `cross_mask`
-        (G, 1, 1, S) hold the encoder-decoder attention's keys, values and mask once per source.
-        """
-        decoder = self.model.decoder
-        _, hidden = decoder.embeddings(tokens, position_encoding=position_encoding)  # (B, 1, D)
-        for layer, keys, values, source_keys, source_values in zip(
-            decoder.layers, self_keys, self_values, cross_keys, cross_values
-        ):
-            hidden = layer.step(hidden, keys, values, source_keys, source_values, cross_mask)
-        return self._project(hidden)
-
-    def _forward_static_cache(
-        self,
-        input_ids,
-        attention_mask,
-        decoder_input_ids,
-        decoder_attention_mask,
-        encoder_outputs,
-        past_key_values,
-        inputs_embeds,
-        decoder_inputs_embeds,
-        output_attentions,
-        output_hidden_states,
-    ) -> Seq2SeqLMOutput:
-        """Decoding with transformers' StaticCache (`generate(cache_implementation="static")`): see static_decoding.py."""
-        unsupported = {
-            "decoder_inputs_embeds": decoder_inputs_embeds is not None,
-            "output_attentions": bool(output_attentions),
-            "output_hidden_states": bool(output_hidden_states),
-            # generate() passes its own 4D causal mask over the cache, which the step rebuilds from the position.
-            "a decoder_attention_mask with zeros": decoder_attention_mask is not None
-            and decoder_attention_mask.dim() == 2
-            and not bool(decoder_attention_mask.all()),
-        }
-        for name, given in unsupported.items():
-            if given:
-                raise ValueError(
-                    f"{name} is not supported with a static cache (cache_implementation='static'); "
-                    "decode with the default dynamic cache instead."
-                )
-        if decoder_input_ids is None:
-            raise ValueError("Decoding with a static cache needs decoder_input_ids.")
-        check_token_ids(decoder_input_ids, self.config.target_vocab_size, "decoder_input_ids")
-        if encoder_outputs is None:
-            encoder_outputs = self.model.encoder(
-                input_ids=input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds
-            )
-        elif not isinstance(encoder_outputs, BaseModelOutput):
-            encoder_outputs = BaseModelOutput(last_hidden_state=encoder_outputs[0])
-        encoder_hidden_states = encoder_outputs.last_hidden_state
-        if not isinstance(past_key_values, StaticDecodingCache):  # a cache made by hand: decoded eagerly
-            past_key_values = StaticDecodingCache(
-                past_key_values.self_attention_cache, past_key_values.cross_attention_cache, compile=False
-            )
-        logits = decode_with_static_cache(
-            self, decoder_input_ids, encoder_hidden_states, attention_mask, past_key_values
+    def logits_and_loss(
+        self, hidden: torch.Tensor, labels: torch.Tensor | None, padding: PaddingPlan | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The pre-softmax projection of the decoder output (B, T, D) -> logits (B, T, V), and the mean
+        cross-entropy over the labelled positions (-100 ignored) when there are labels."""
+        labelled = padding.labelled if padding is not None else None
+        if labelled is None:
+            logits = picked = self.project(hidden)  # (B, T, V)
+            picked_labels = labels
+        else:  # the projection, the largest product of all, only at labelled positions; zero logits elsewhere
+            batch, length, _ = hidden.shape
+            picked = self.project(hidden.reshape(batch * length, -1).index_select(0, labelled))  # (N, V)
+            logits = scatter_positions(picked, labelled, batch, length)  # the loss below needs `picked` itself
+            picked_labels = labels.reshape(-1).index_select(0, labelled)
+        if labels is None:
+            return logits, None
+        loss = nn.functional.cross_entropy(
+            picked.float().reshape(-1, picked.shape[-1]),
+            picked_labels.to(picked.device).reshape(-1),
+            ignore_index=-100,
         )
-        return Seq2SeqLMOutput(
-            logits=logits, encoder_last_hidden_state=encoder_hidden_states, **{CACHE_FIELD: past_key_values}
-        )
+        return logits, loss
 
-    def _project(self, hidden: torch.Tensor) -> torch.Tensor:
+    def project(self, hidden: torch.Tensor) -> torch.Tensor:
         """The pre-softmax linear transformation (Section 3.4), plus Marian's fixed bias where configured."""
         logits = self.lm_head(hidden)
         return logits + self.final_logits_bias if self.config.final_logits_bias else logits
@@ -1015,109 +830,14 @@ class VaswaniForConditionalGeneration(VaswaniPreTrainedModel, VaswaniGenerationM
         return shift_tokens_right(labels, self.config.pad_token_id, self.config.decoder_start_token_id)
 
     def _reorder_cache(self, past_key_values: EncoderDecoderCache, beam_idx: torch.LongTensor) -> EncoderDecoderCache:
-        """Beam search: reorder only the self-attention keys and values. A beam is only ever replaced by a
-        beam of the same source, and all beams of one source share its encoder-decoder keys and values,
-        so reordering those (half of the cache, every step) would copy them onto themselves."""
-        if is_static_cache(past_key_values):
-            reorder_static_cache(past_key_values, beam_idx)
-            return past_key_values
+        """Beam search: reorder only the self-attention keys and values. A beam is only replaced by a beam of the
+        same source, which shares its encoder-decoder keys and values: reordering those would copy them in place."""
         past_key_values.self_attention_cache.reorder_cache(beam_idx)
         return past_key_values
 
 
-# ---------------------------------------------------------------------------------------------------
-# Skipping padding: the same maths at fewer positions (an engineering choice, not the paper's)
-# ---------------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class PaddingPlan:
-    """The positions that can affect a result, decided once per forward (`config.skip_padding`).
-
-    Padding is a third of a typical batch of sentences, and the matrix products at padded positions,
-    most of the model's work, would be thrown away: no real query attends to a padded key, and with
-    causal attention no earlier target position sees a later one. The position-wise maps (W^Q, W^K,
-    W^V, W^O, the FFN, the pre-softmax projection) therefore run only at these positions, each a flat
-    index into (B, L), or None for all of them:
-    - `source`: real source positions;
-    - `target`: target positions up to the last label (or the last 1 of the decoder's mask);
-    - `labelled`: target positions with a label, where the loss needs logits.
-    A row with nothing real is computed whole, as without skipping (a fully padded source then still
-    gets uniform attention over its padding).
-    """
-
-    source: torch.Tensor | None = None
-    target: torch.Tensor | None = None
-    labelled: torch.Tensor | None = None
-
-    @classmethod
-    def build(
-        cls,
-        config: VaswaniConfig,
-        source_mask: torch.Tensor | None = None,
-        target_mask: torch.Tensor | None = None,
-        labels: torch.Tensor | None = None,
-        target_length: int | None = None,
-    ) -> PaddingPlan:
-        """The plan for a batch: masks (B, L) are 1 for real tokens; `labels` (B, T) are -100 where unlabelled.
-        Without `config.skip_padding`, the empty plan: every position is computed."""
-        if not config.skip_padding:
-            return cls()
-        target = labelled = None
-        ends = None  # (B,): target positions at and after ends[b] need no output
-        if labels is not None:
-            has_label = labels.ne(-100)
-            labelled = real_positions(has_label)
-            ends = prefix_lengths(has_label)
-        if target_mask is not None:
-            mask_ends = prefix_lengths(target_mask)
-            ends = mask_ends if ends is None else torch.minimum(ends, mask_ends)
-        if ends is not None:
-            length = (
-                target_length
-                if target_length is not None
-                else (labels if labels is not None else target_mask).shape[1]
-            )
-            target = real_positions(torch.arange(length, device=ends.device)[None, :] < ends[:, None])
-        return cls(source=real_positions(source_mask), target=target, labelled=labelled)
-
-
-def at_positions(function, hidden_states: torch.Tensor, index: torch.Tensor | None) -> torch.Tensor:
-    """`function` (a position-wise map: a Linear, the FFN) applied only at the flat positions `index`
-    of hidden_states (B, L, D_in), zeros elsewhere; (B, L, D_out). All of them when `index` is None."""
-    if index is None:
-        return function(hidden_states)
-    batch, length, width = hidden_states.shape
-    picked = function(hidden_states.reshape(batch * length, width).index_select(0, index))  # (N, D_out)
-    return scatter_positions(picked, index, batch, length)
-
-
-def scatter_positions(picked: torch.Tensor, index: torch.Tensor, batch: int, length: int) -> torch.Tensor:
-    """Rows `picked` (N, D) put back at the flat positions `index` of a (B, L, D) tensor of zeros."""
-    return picked.new_zeros(batch * length, picked.shape[-1]).index_copy(0, index, picked).view(batch, length, -1)
-
-
-def real_positions(mask: torch.Tensor | None) -> torch.Tensor | None:
-    """Flat indices into (B, L) of the positions where `mask` (B, L) is nonzero: the positions to
-    compute. A row with none is computed whole. None when that is every position."""
-    if mask is None:
-        return None
-    keep = mask.bool()
-    keep = keep | ~keep.any(1, keepdim=True)
-    if bool(keep.all()):
-        return None
-    return keep.reshape(-1).nonzero().squeeze(1)
-
-
-def prefix_lengths(mask: torch.Tensor) -> torch.Tensor:
-    """(B,): one past the last nonzero position of each row of `mask` (B, L); 0 for a row of zeros."""
-    ones = mask.bool()
-    return torch.where(ones.any(1), ones.shape[1] - ones.flip(1).int().argmax(1), 0)
-
-
 __all__ = [
     "MultiHeadAttention",
-    "PaddingPlan",
     "SinusoidalPositionalEncoding",
     "VaswaniForConditionalGeneration",
     "VaswaniModel",
