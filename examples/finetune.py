@@ -37,11 +37,12 @@ def main(argv: list[str] | None = None) -> dict:
         Seq2SeqTrainingArguments,
     )
 
-    import vaswani_tx  # noqa: F401  (registers the Auto classes)
+    import vaswani_tx
     from vaswani_tx.data import read_parallel_files, tokenize_pairs
     from vaswani_tx.evaluation import make_compute_metrics
     from vaswani_tx.tokenization import check_tokenizer_fits_model
 
+    vaswani_tx.register_auto_classes()  # `import vaswani_tx` alone is light and registers nothing
     model = AutoModelForSeq2SeqLM.from_pretrained(args.model_dir)
     tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
     check_tokenizer_fits_model(tokenizer, model.config)

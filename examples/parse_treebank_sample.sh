@@ -18,5 +18,5 @@ $VASWANI_TX parse run configs/train/wsj-parse-cpu.yaml --resume "$@" \
 echo "== $SECONDS s so far (uptime: $(uptime))"
 MODEL=$OUT/averaged; [ -d "$MODEL" ] || MODEL=$OUT
 echo "== the same model, unconstrained (the paper's plain beam search, repaired):"
-$VASWANI_TX parse predict "$MODEL" --trees "$D/wsj_017?.mrg" --unconstrained -o $OUT/test.parsed.unconstrained
+$VASWANI_TX parse predict "$MODEL" --trees "$D/wsj_017?.mrg" --unconstrained -o $OUT/test.parsed.unconstrained --force
 echo "== learning curve (dev F1 against training minutes): $OUT/curves.png"

@@ -15,7 +15,7 @@ VX=.venv/bin/vaswani-tx
 
 $VX train "$CONFIG" --resume "$@"   # ends by averaging the last 30 checkpoints into $RUN/averaged (average_last)
 echo "== val (all $(wc -l < "$DATA/val.en") sentences), averaged model, its saved decoding settings:"
-$VX evaluate "$RUN/averaged" --source "$DATA/val.en" --reference "$DATA/val.de" --output-dir "$RUN/averaged"
+$VX evaluate "$RUN/averaged" --source "$DATA/val.en" --reference "$DATA/val.de" --output-dir "$RUN/averaged" --force
 echo "== a few sentences:"
 $VX translate "$RUN/averaged" "A man in a blue shirt is riding a bike down the street." \
     "Two dogs are playing in the snow." "A little girl is reading a book on a bench." \

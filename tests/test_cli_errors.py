@@ -113,7 +113,8 @@ CASES: dict[str, list[tuple[list[str], list[str]]]] = {
         (["{ws}/trunc", "{ws}/new"], ["trunc/model.safetensors", "not a readable safetensors"]),
         (["{ws}/missing", "{ws}/new"], ["does not exist"]),
         (["{ws}/adir", "{ws}/new"], ["not a model folder", "no config.json"]),
-        (["{ws}/model", "{ws}/tok"], ["not empty", "--force"]),
+        (["{ws}/model", "{ws}/tok"], ["already exists", "tokenizer folder", "--force"]),
+        (["{ws}/model", "{ws}/model/..", "--force"], ["holds", "which this command reads"]),
     ],
     "export-marian": [
         (["{ws}/marian", "{ws}/new"], ["type 'marian'", "vaswani-tx convert"]),
@@ -304,6 +305,14 @@ def test_a_same_size_tokenizer_of_another_model_is_refused(ws, tmp_path, capsys)
         capsys,
     )
     assert not out.exists()
+    # every command that meets the model's tokenizer runs the one check (the pipeline too: test_pipeline.py)
+    for argv in (
+        ["attention", str(model), "--sentence", "A dog runs.", "-o", str(out)],
+        ["export-marian", str(model), str(out)],
+        ["parse", "predict", str(model), "--sentences", str(ws / "ok.txt")],
+    ):
+        _check(argv, ["tokenizer_fingerprint"], ws, capsys)
+        assert not out.exists()
 
 
 def test_train_refuses_prepared_data_encoded_with_another_tokenizer(ws, tmp_path, capsys):
@@ -418,7 +427,7 @@ def test_ctrl_c_in_train_says_what_was_saved_and_how_to_resume(ws, tmp_path, cap
     import vaswani_tx.checkpoints
     import vaswani_tx.recipe
 
-    def interrupted(recipe, arguments, resume=False):  # checkpoint-20 complete, checkpoint-30 being written
+    def interrupted(recipe, arguments, resume=False, force=False):  # checkpoint-20 complete, -30 being written
         (Path(arguments.output_dir) / "checkpoint-30").mkdir(parents=True)
         (Path(arguments.output_dir) / "checkpoint-20").mkdir(parents=True)
         raise KeyboardInterrupt
@@ -691,9 +700,53 @@ def test_a_read_only_folder_is_found_before_work(tmp_path):
     ],
 )
 def test_every_command_with_an_output_option_takes_dash_o(command, capsys):
+    """One convention (docs/translation.md): `-o FILE, --output FILE` where a command writes one file,
+    `-o DIR, --output-dir DIR` where it writes a folder."""
     with pytest.raises(SystemExit):
         main([command, "--help"])
-    assert "-o " in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "-o " in out
+    expected = "-o FILE, --output FILE" if command == "translate" else "-o DIR, --output-dir DIR"
+    assert expected in out, out
+
+
+def test_help_of_every_command_loads_no_torch():
+    """`vaswani-tx --help` and each command's --help print without importing torch or transformers (seconds of
+    imports, issue 28): the package import is light and each command imports its libraries inside run()."""
+    from vaswani_tx.cli import COMMANDS
+
+    script = textwrap.dedent(f"""
+        import contextlib, io, sys
+        from vaswani_tx.cli import main
+        heavy = ("torch", "transformers", "datasets", "tokenizers", "sacrebleu")
+        for argv in [["--help"], *[[command, "--help"] for command in {sorted(COMMANDS)!r}]]:
+            with contextlib.redirect_stdout(io.StringIO()) as out:
+                try:
+                    main(argv)
+                except SystemExit:
+                    pass
+            assert "usage: vaswani-tx" in out.getvalue(), argv
+            loaded = [name for name in heavy if name in sys.modules]
+            assert not loaded, f"vaswani-tx {{' '.join(argv)}} imported {{loaded}}"
+        print("ok")
+    """)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-3000:]
+
+
+def test_help_texts_say_what_the_code_does(capsys):
+    """export-ct2 writes the model's own decoding settings (not always the paper's beam 4 and 0.6); the length
+    penalty's form is the model's (GNMT for models trained here, |Y|^alpha for converted ones)."""
+    for command, present, absent in [
+        ("export-ct2", ["model's own decoding settings", "|Y|^alpha"], ["beam 4 and length penalty 0.6"]),
+        ("translate", ["length_penalty_type", "|Y|^alpha", "GNMT"], []),
+        ("export-marian", ["GNMT stays GNMT"], ["have no Marian equivalent"]),
+    ]:
+        with pytest.raises(SystemExit):
+            main([command, "--help"])
+        text = " ".join(capsys.readouterr().out.split())
+        assert all(words in text for words in present), (command, text)
+        assert not any(words in text for words in absent), (command, text)
 
 
 # ---- prepare-data's output feeds train ----

@@ -477,7 +477,7 @@ def test_shared_fairseq_vocabulary_ties_all_three_tables(tmp_path):
 # --- Ours -> Marian -> ours ------------------------------------------------------------------------------------
 
 
-def test_round_trip_through_marian(tmp_path):
+def test_round_trip_through_marian(tmp_path, caplog, capsys):
     from vaswani_tx.tokenization import train_tokenizer
 
     corpus = tmp_path / "text.txt"
@@ -494,9 +494,19 @@ def test_round_trip_through_marian(tmp_path):
             num_decoder_layers=2,
         )
     ).eval()
+    model.generation_config.update(num_beams=3, length_penalty=2.5)  # a run config's, GNMT form, source + 50
     model.save_pretrained(tmp_path / "ours")
     tokenizer.save_pretrained(tmp_path / "ours")
-    assert main(["export-marian", str(tmp_path / "ours"), str(tmp_path / "marian")]) == 0
+    with caplog.at_level("WARNING", logger="vaswani_tx.export"):
+        assert main(["export-marian", str(tmp_path / "ours"), str(tmp_path / "marian")]) == 0
+    # MarianMT applies |Y|^alpha: the export says so, and records our form for the way back
+    assert any("|Y|^2.5, not the GNMT" in record.getMessage() for record in caplog.records)
+    exported = json.loads((tmp_path / "marian" / "generation_config.json").read_text())
+    assert (exported["length_penalty"], exported["length_penalty_type"], exported["max_output_length_offset"]) == (
+        2.5,
+        "gnmt",
+        50,
+    )
 
     marian = MarianMTModel.from_pretrained(tmp_path / "marian").eval()
     assert marian.lm_head.weight.data_ptr() == marian.model.shared.weight.data_ptr()
@@ -507,8 +517,20 @@ def test_round_trip_through_marian(tmp_path):
         torch.testing.assert_close(
             marian(input_ids=ids, attention_mask=mask, decoder_input_ids=target).logits, ours_logits, rtol=0, atol=1e-5
         )
-    convert(tmp_path / "marian", tmp_path / "back")
+    capsys.readouterr()
+    assert main(["convert", str(tmp_path / "marian"), str(tmp_path / "back")]) == 0
+    assert "length penalty alpha 2.5 in the GNMT form ((5 + |Y|) / 6)^alpha; at most source length + 50" in (
+        capsys.readouterr().out
+    )
     back = VaswaniForConditionalGeneration.from_pretrained(tmp_path / "back").eval()
+    # GNMT stays GNMT both ways: the model converted back decodes as the one exported
+    for field in ("num_beams", "length_penalty", "length_penalty_type", "max_output_length_offset"):
+        assert getattr(back.generation_config, field) == getattr(model.generation_config, field), field
+    with torch.no_grad():
+        assert torch.equal(
+            back.generate(input_ids=ids, attention_mask=mask, max_output_length_offset=6),
+            model.generate(input_ids=ids, attention_mask=mask, max_output_length_offset=6),
+        )
     # conversion records the tokenizer's fingerprint; every other field comes back as it was
     unrecorded = {"custom_pipelines": None, "tokenizer_fingerprint": None}
     assert back.config.to_diff_dict() | unrecorded == model.config.to_diff_dict() | unrecorded

@@ -66,3 +66,24 @@ def test_overrides_keep_yes_and_no_as_words():
         "max_steps": 10,
         "x": None,
     }
+
+
+@pytest.mark.parametrize("name", ["wmt14-en-de-base", "wmt14-en-de-big", "wsj-parse"])
+def test_dry_run_plans_a_gpu_config_on_any_machine(name, monkeypatch, capsys):
+    """bf16 (and tf32) need a GPU that has them when the Trainer's arguments are built; a plan computes and asks
+    no device (issue 28: "Your setup doesn't support bf16/gpu" on a CPU machine). Files an earlier step makes
+    (a parse run's data) are listed, not a reason to stop."""
+    monkeypatch.chdir(REPO)  # the shipped configs' paths are relative to the repository root
+    assert main(["train", f"configs/train/{name}.yaml", "--dry-run"]) == 0, capsys.readouterr().err
+    out = capsys.readouterr().out
+    assert "precision: bf16" in out and "tokens per step: up to 25,000" in out
+    if name == "wsj-parse":
+        assert "FLOPs per step: unknown until dev_source exists" in out
+        assert "not there yet: dev_source runs/wsj-parse/data/dev.words" in out
+    recipe, arguments = load_run_config(REPO / "configs" / "train" / f"{name}.yaml", check_device=False)
+    assert arguments.bf16 and run_plan(recipe, arguments)["precision"] == "bf16"
+
+
+def test_dry_run_still_refuses_a_missing_model_config(dev_files, tmp_path, capsys):
+    assert main(["train", str(CONFIG), *dev_files, f"model_config={tmp_path / 'none.json'}", "--dry-run"]) == 2
+    assert "model_config" in capsys.readouterr().err

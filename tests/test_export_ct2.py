@@ -83,6 +83,6 @@ def test_export_command(tiny_translator, tmp_path, capsys):
     assert "wrote CTranslate2 model" in capsys.readouterr().out
     assert (tmp_path / "int8" / "model.bin").is_file()
     assert cli_main(["export-ct2", str(folder), str(tmp_path / "int8")]) == 2
-    assert "exists and is not empty" in capsys.readouterr().err
+    assert "already exists and is a CTranslate2 model folder" in capsys.readouterr().err
     assert cli_main(["export-ct2", str(tmp_path / "nothing"), str(tmp_path / "x")]) == 2
     assert "does not exist" in capsys.readouterr().err

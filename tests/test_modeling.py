@@ -561,7 +561,84 @@ def test_explicit_max_new_tokens_replaces_the_source_cap():
     assert model.generate(input_ids=ids, attention_mask=mask, num_beams=1, max_new_tokens=5).shape[1] == 1 + 5
 
 
+@pytest.mark.parametrize(
+    "arguments, message",
+    [
+        ({"num_beams": 0}, r"num_beams=0 is not allowed; it must be a whole number >= 1"),
+        ({"num_beams": 2.5}, r"num_beams=2.5 is not allowed"),
+        ({"num_return_sequences": 0}, r"num_return_sequences=0 is not allowed"),
+        ({"length_penalty": float("nan")}, r"length_penalty=nan is not allowed; it must be a finite number"),
+        ({"max_output_length_offset": 1.5}, r"max_output_length_offset=1.5 is not allowed; it must be a whole"),
+        ({"max_output_length_offset": -7}, r"max_output_length_offset=-7 leaves source 1 \(4 tokens\) no output"),
+        ({"max_len_b": -1}, r"max_len_b=-1 is not allowed"),
+        ({"input_ids": torch.zeros(0, 4, dtype=torch.long)}, r"input_ids has shape \(0, 4\), an empty batch"),
+        ({"input_ids": torch.zeros(2, 0, dtype=torch.long)}, r"input_ids has shape \(2, 0\), sequences without"),
+        ({"input_ids": torch.ones(1, 4)}, r"input_ids holds torch.float32 values; token ids are integers"),
+    ],
+)
+def test_generate_refuses_impossible_arguments_naming_them(arguments, message):
+    """A ValueError naming the argument, where transformers would fail on something else (ZeroDivisionError for
+    num_beams=0, a reduction error for an empty batch, issue 28)."""
+    ids, mask = batch()
+    kwargs = {"input_ids": ids, "attention_mask": mask, **arguments}
+    if kwargs["input_ids"] is not ids:
+        kwargs.pop("attention_mask")
+    with pytest.raises(ValueError, match=message):
+        tiny_model().generate(**kwargs)
+
+
 # --- HF contract: Auto classes, save/load, remote code, gradient checkpointing ----------------------------------------
+
+
+@pytest.mark.parametrize(
+    "changes, words",
+    [
+        ({"d_model": None}, ["d_model: config has 512, the weights have 24"]),
+        ({"vocab_size": None}, ["vocab_size: config has 37000, the weights have 61"]),
+        ({"num_encoder_layers": None}, ["num_encoder_layers: config has 6, the weights have 2"]),
+        ({"num_decoder_layers": 2}, ["num_decoder_layers: config has 2, the weights have 3"]),
+        ({"d_ff": 48}, ["d_ff: config has 48, the weights have 40"]),
+        ({"d_k": 6}, ["num_heads * d_k: config has 18, the weights have 24"]),
+    ],
+)
+def test_a_config_json_that_does_not_fit_the_weights_names_the_field(tmp_path, changes, words):
+    """A field missing from config.json takes the base model's default; wrong or missing, the load is refused with
+    a ValueError naming the field and both values (transformers: a bare RuntimeError for sizes, random layers for a
+    layer count), on every route: from_pretrained, the Auto classes, the commands (exit 2)."""
+    from transformers import AutoModelForSeq2SeqLM
+
+    from vaswani_tx.cli import main
+
+    tiny_model().save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    for key, value in changes.items():
+        config.pop(key) if value is None else config.__setitem__(key, value)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    for load in (VaswaniForConditionalGeneration.from_pretrained, AutoModelForSeq2SeqLM.from_pretrained):
+        with pytest.raises(ValueError, match="the weights do not fit the config") as raised:
+            load(tmp_path)
+        assert all(word in str(raised.value) for word in words), str(raised.value)
+    assert main(["export-marian", str(tmp_path), str(tmp_path / "marian")]) == 2
+    assert not (tmp_path / "marian").exists()
+
+
+def test_the_package_imports_without_torch_and_the_classes_register_on_use():
+    """`import vaswani_tx` loads no torch (so `vaswani-tx --help` is instant); using a class registers the Auto
+    classes, as importing the package did before."""
+    script = textwrap.dedent("""
+        import sys
+        import vaswani_tx
+        assert "torch" not in sys.modules and "transformers" not in sys.modules, "import vaswani_tx loaded torch"
+        from transformers import AutoConfig, AutoModelForSeq2SeqLM
+        from vaswani_tx import VaswaniConfig
+        config = VaswaniConfig(vocab_size=61, d_model=24, d_ff=40, num_heads=3, num_encoder_layers=1, num_decoder_layers=1)
+        model = AutoModelForSeq2SeqLM.from_config(config)
+        assert type(model).__name__ == "VaswaniForConditionalGeneration", type(model)
+        assert type(AutoConfig.for_model("vaswani")) is VaswaniConfig
+        print("ok")
+    """)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-3000:]
 
 
 def test_auto_classes_are_registered(tmp_path):
@@ -584,6 +661,7 @@ def test_auto_classes_are_registered(tmp_path):
         "pipeline_vaswani.py",
         "skip_padding.py",
         "static_decoding.py",
+        "vocabulary.py",  # the tokenizer-fits-model check and the text normalisation the pipeline runs
     ]
     saved = json.loads((tmp_path / "config.json").read_text())
     assert saved["auto_map"]["AutoModelForSeq2SeqLM"] == "modeling_vaswani.VaswaniForConditionalGeneration"

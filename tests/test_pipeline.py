@@ -83,3 +83,38 @@ def test_remote_code_pipeline_without_the_package(saved_model, tmp_path):
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert json.loads(result.stdout.strip().splitlines()[-1]) == expected
+
+
+def test_pipeline_drops_a_bom_and_zero_width_characters(saved_model):
+    folder, _, _ = saved_model
+    translator = pipeline("translation", model=str(folder), trust_remote_code=True)
+    clean = translator("Ein Hund läuft über die Wiese.", max_new_tokens=6)
+    assert translator("\ufeffEin Hund\u200b läuft über\u2060 die Wiese.", max_new_tokens=6) == clean
+
+
+def test_pipeline_refuses_another_models_tokenizer_of_the_same_size(saved_model, tmp_path):
+    """The check every command runs (sizes, special ids, the recorded fingerprint), on every pipeline route."""
+    import shutil
+
+    from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
+
+    from vaswani_tx.vocabulary import vocabulary_fingerprint
+
+    folder, _, tokenizer = saved_model
+    model_folder = tmp_path / "model"
+    shutil.copytree(folder, model_folder)
+    config = json.loads((model_folder / "config.json").read_text(encoding="utf-8"))
+    config["tokenizer_fingerprint"] = vocabulary_fingerprint(tokenizer)  # as train() and convert record it
+    (model_folder / "config.json").write_text(json.dumps(config), encoding="utf-8")
+    assert pipeline("translation", model=str(model_folder), trust_remote_code=True)("Ein Hund.", max_new_tokens=3)
+
+    spec = json.loads((model_folder / "tokenizer.json").read_text(encoding="utf-8"))
+    vocab = spec["model"]["vocab"]
+    first, second = sorted(vocab, key=vocab.get)[300:302]  # another vocabulary of the same size and special ids
+    vocab[first], vocab[second] = vocab[second], vocab[first]
+    (model_folder / "tokenizer.json").write_text(json.dumps(spec), encoding="utf-8")
+    with pytest.raises(ValueError, match="tokenizer_fingerprint.*another model"):
+        pipeline("translation", model=str(model_folder), trust_remote_code=True)
+    model = AutoModelForSeq2SeqLM.from_pretrained(str(model_folder), trust_remote_code=True)
+    with pytest.raises(ValueError, match="tokenizer_fingerprint"):
+        VaswaniTranslationPipeline(model=model, tokenizer=AutoTokenizer.from_pretrained(str(model_folder)))

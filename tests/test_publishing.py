@@ -114,6 +114,7 @@ def test_push_to_hub_without_network_fails_fast_with_a_clear_message(model_and_t
     script = textwrap.dedent(f"""
         import torch, vaswani_tx
         from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
+        vaswani_tx.register_auto_classes()
         from vaswani_tx.publishing import push_to_hub
         model = AutoModelForSeq2SeqLM.from_pretrained({str(tmp_path / "src")!r})
         tokenizer = AutoTokenizer.from_pretrained({str(tmp_path / "src")!r})

@@ -97,6 +97,7 @@ def test_normalization_changes_only_the_unusual_spaces(shared_data):
 
 def test_normalize_rules():
     assert normalize("  a\u00a0b\u2009c\td  \u2581e ") == "a b c d e"
+    assert normalize("\ufeffA\u200b dog\u2060 runs.\ufeff") == "A dog runs."  # format characters: dropped
     assert normalize("µ ﬁ") == "µ ﬁ"  # NFC keeps compatibility characters (NFKC would not)
     assert normalize("e\u0301") == "\u00e9"
 
@@ -105,6 +106,34 @@ def test_bpe_is_lossless_for_any_string(small_bpe):
     for text in ["a . b ,c", "中文 ∑ 🙂 ﬁ", "x\u2581y", "  lead and trail  ", "\u00a0", "l'été « oui »"]:
         ids = small_bpe(text)["input_ids"]
         assert small_bpe.decode(ids, skip_special_tokens=True) == normalize(text)
+
+
+CLEAN = "A dog runs in the park."
+DIRTY = ["\ufeffA dog runs in the park.", "A dog\u200b runs in the park.", "A dog runs in\u2060 the park.\ufeff"]
+
+
+def test_format_characters_are_dropped_by_trained_and_older_tokenizers(small_bpe, tmp_path):
+    """A BOM and zero-width characters reach no tokenizer (issue 28): a tokenizer trained now drops them in its
+    normalizer; one saved before that step existed encodes them as byte tokens, and `load_tokenizer` gives it the
+    step (which it keeps when saved again)."""
+    import json
+
+    from vaswani_tx.tokenization import load_tokenizer
+
+    clean = small_bpe(CLEAN)["input_ids"]
+    assert all(small_bpe(text)["input_ids"] == clean for text in DIRTY)
+    small_bpe.save_pretrained(tmp_path / "old")
+    spec = json.loads((tmp_path / "old" / "tokenizer.json").read_text(encoding="utf-8"))
+    steps = spec["normalizer"]["normalizers"]
+    spec["normalizer"]["normalizers"] = [step for step in steps if step.get("content") != ""]  # as saved before
+    assert len(spec["normalizer"]["normalizers"]) == len(steps) - 3
+    (tmp_path / "old" / "tokenizer.json").write_text(json.dumps(spec), encoding="utf-8")
+    old = AutoTokenizer.from_pretrained(tmp_path / "old")
+    assert all(old(text)["input_ids"] != clean for text in DIRTY)  # the byte tokens that changed translations
+    upgraded = load_tokenizer(tmp_path / "old")
+    assert all(upgraded(text)["input_ids"] == clean for text in DIRTY)
+    upgraded.save_pretrained(tmp_path / "new")
+    assert all(AutoTokenizer.from_pretrained(tmp_path / "new")(t)["input_ids"] == clean for t in DIRTY)
 
 
 def test_wordpiece_unknown_word_becomes_unk(joint_tokenizers):

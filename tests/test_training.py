@@ -20,7 +20,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-import vaswani_tx  # noqa: F401  (registers the Auto classes)
+import vaswani_tx
 from run_comparison import assert_same_run, losses
 from vaswani_tx.checkpoints import (
     SAMPLER_STATE_NAME,
@@ -36,6 +36,8 @@ from vaswani_tx.params import load_model_config
 from vaswani_tx.recipe import train
 from vaswani_tx.run_config import ConfigError, load_run_config
 from vaswani_tx.training import get_paper_schedule, label_smoothed_loss, paper_learning_rate
+
+vaswani_tx.register_auto_classes()  # AutoModelForSeq2SeqLM reads averaged folders below
 
 REPO = Path(__file__).resolve().parents[1]
 PAIRS = 160

@@ -127,6 +127,58 @@ def test_translate_command_file_to_file_and_stdin_to_stdout(
     assert capsys.readouterr().out.split("\n")[:-1] == expected
 
 
+CLEAN = ["A dog runs in the park.", "Two men are playing football."]
+# a UTF-8 BOM at the start of a file, zero-width spaces and word joiners, a U+FEFF inside a line (issue 28)
+DIRTY = ["\ufeffA dog runs in the park.", "Two\u200b men are\u2060 playing\ufeff football."]
+
+
+def _older_tokenizer_folder(folder: Path, out: Path) -> Path:
+    """A copy of a model folder whose tokenizer.json has no format-character step, as folders trained before it."""
+    shutil.copytree(folder, out)
+    spec = json.loads((out / "tokenizer.json").read_text(encoding="utf-8"))
+    steps = spec["normalizer"]["normalizers"]
+    spec["normalizer"]["normalizers"] = [step for step in steps if step.get("content") != ""]
+    (out / "tokenizer.json").write_text(json.dumps(spec), encoding="utf-8")
+    return out
+
+
+def test_a_bom_and_zero_width_characters_do_not_change_the_translation(tiny_translator, translator, tmp_path, capsys):
+    from transformers import AutoTokenizer
+
+    from vaswani_tx.translation import Translator
+
+    expected = greedy(translator, CLEAN)
+    assert greedy(translator, DIRTY) == expected
+    # a tokenizer saved before its normalizer dropped them, used as it is: Translator drops them from the text
+    older = _older_tokenizer_folder(tiny_translator[0], tmp_path / "older")
+    as_saved = AutoTokenizer.from_pretrained(older)
+    assert as_saved(DIRTY[0])["input_ids"] != as_saved(CLEAN[0])["input_ids"]
+    assert greedy(Translator(translator.model, as_saved), DIRTY) == expected
+    # the command, from a file written with a BOM (as Windows editors do)
+    source = tmp_path / "in.en"
+    source.write_bytes(b"\xef\xbb\xbf" + "".join(line.lstrip("\ufeff") + "\n" for line in DIRTY).encode())
+    argv = ["translate", str(older), "-i", str(source), "-o", str(tmp_path / "out.de"), "--num-beams", "1"]
+    assert cli_main([*argv, "--max-length-offset", "4", "--quiet"]) == 0
+    assert (tmp_path / "out.de").read_text(encoding="utf-8") == "".join(line + "\n" for line in expected)
+    # a line of nothing but format characters is an empty line: an empty translation
+    assert greedy(translator, ["\ufeff\u200b", CLEAN[0]]) == ["", expected[0]]
+
+
+def test_a_line_longer_than_the_models_positions_is_reported_with_its_number(tiny_translator, tmp_path, caplog):
+    _, model, tokenizer = tiny_translator
+    short = VaswaniForConditionalGeneration(VaswaniConfig(**{**model.config.to_dict(), "max_position_embeddings": 12}))
+    short.load_state_dict(model.state_dict())
+    short.save_pretrained(tmp_path / "short")
+    tokenizer.save_pretrained(tmp_path / "short")
+    lines = ["Ein Hund.", " ".join(["Ein Hund läuft über die Wiese."] * 4), "Ein Mann."]
+    with caplog.at_level("WARNING", logger="vaswani_tx.translation"):
+        outputs = greedy(load_translator(tmp_path / "short"), lines)
+    assert len(outputs) == 3 and all(outputs)  # translated all the same: sinusoids extend past the positions
+    warnings = [record.getMessage() for record in caplog.records if record.name == "vaswani_tx.translation"]
+    assert len(warnings) == 1, warnings
+    assert warnings[0].startswith("line 2 is ") and "12 positions" in warnings[0] and "may stop early" in warnings[0]
+
+
 def test_beam_and_alpha_reach_generate(tiny_translator, translator, capsys):
     _, model, tokenizer = tiny_translator
     sentence = LINES[2]
@@ -298,7 +350,7 @@ def test_evaluate_takes_wmt14_through_datasets(tiny_translator, tmp_path, monkey
 
     calls = []
 
-    def fake_load_wmt14(source_lang, target_lang, split):  # the hub is unreachable here; the call is what counts
+    def fake_load_wmt14(source_lang, target_lang, split, **kwargs):  # the hub is unreachable here: the call counts
         calls.append((source_lang, target_lang, split))
         return datasets.Dataset.from_dict(
             {"source": ["A dog runs.", "Two men."], "target": ["Ein Hund.", "Zwei Männer."]}
@@ -325,8 +377,35 @@ def test_evaluate_takes_wmt14_through_datasets(tiny_translator, tmp_path, monkey
     )
     assert calls == [("en", "de", "test")]
     assert len((tmp_path / "newstest2014.hyp.de").read_text(encoding="utf-8").splitlines()) == 2
-    assert json.loads((tmp_path / "newstest2014.scores.json").read_text())["test_set"] == "newstest2014"
-    assert "newstest2014: 2 sentences, 1 beams" in capsys.readouterr().out
+    scores = json.loads((tmp_path / "newstest2014.scores.json").read_text())
+    assert scores["test_set"] == "newstest2014"
+    # greedy decoding records no length penalty (the model's alpha does not apply to it)
+    assert (scores["num_beams"], scores["length_penalty"], scores["length_penalty_type"]) == (1, None, None)
+    assert "newstest2014: 2 sentences, greedy (1 beam, no length penalty)" in capsys.readouterr().out
+
+
+def test_evaluate_wmt14_without_a_network_names_evaluates_own_options(tiny_translator, tmp_path, monkeypatch, capsys):
+    import datasets
+
+    def unreachable(*args, **kwargs):
+        raise ConnectionError("Couldn't reach 'wmt/wmt14' on the Hub (LocalEntryNotFoundError)")
+
+    monkeypatch.setattr(datasets, "load_dataset", unreachable)
+    argv = ["evaluate", str(tiny_translator[0]), "--wmt14", "en-de", "-o", str(tmp_path / "eval"), "--quiet"]
+    assert cli_main(argv) == 2
+    err = capsys.readouterr().err
+    assert "-s/--source and -r/--reference files" in err
+    assert "--tsv" not in err and "--source-file" not in err  # prepare-data's options, which evaluate has not
+
+
+def test_evaluate_refuses_an_output_folder_named_like_a_hypothesis_file(tiny_translator, test_set, tmp_path, capsys):
+    # -o is evaluate's output folder; `-o x.hyp.de` (translate's file, by habit) would become a folder
+    for name in ("x.hyp.de", "test.de"):
+        argv = ["evaluate", str(tiny_translator[0]), "-s", str(test_set / "val.en"), "-r", str(test_set / "val.de")]
+        assert cli_main([*argv, "-o", str(tmp_path / name), "--quiet"]) == 2
+        err = capsys.readouterr().err
+        assert "looks like a file name" in err and "vaswani-tx translate" in err
+        assert not (tmp_path / name).exists()
 
 
 def test_int8_decoding_quantizes_the_linear_layers(tiny_translator, capsys):

@@ -1,31 +1,57 @@
 """vaswani_tx: the Transformer of "Attention Is All You Need" (Vaswani et al., 2017) as a Hugging Face model.
 
-Importing the package registers ``VaswaniConfig`` and the models with ``AutoConfig``, ``AutoModel``
-and ``AutoModelForSeq2SeqLM`` and the tokenizer of converted fairseq and FSMT models, ``FairseqTokenizer``,
-with ``AutoTokenizer``, and marks them for ``trust_remote_code`` saving: ``save_pretrained`` writes
-``auto_map`` and copies the config, model and tokenizer files next to the weights, so a saved folder
-loads in a process where this package is not installed.
+``import vaswani_tx`` is light: it loads neither torch nor transformers (so ``vaswani-tx --help`` prints at
+once). The classes below load on first use (``from vaswani_tx import VaswaniConfig``, ``vaswani_tx.VaswaniConfig``).
+Using one of them, calling :func:`register_auto_classes`, or importing a module that defines them (as the
+package's own modules do) registers ``VaswaniConfig`` and the models with ``AutoConfig``, ``AutoModel`` and
+``AutoModelForSeq2SeqLM`` and the tokenizer of converted fairseq and FSMT models, ``FairseqTokenizer``, with
+``AutoTokenizer``, and marks them for ``trust_remote_code`` saving: ``save_pretrained`` writes ``auto_map`` and
+copies the config, model and tokenizer files next to the weights, so a saved folder loads in a process where this
+package is not installed. ``import vaswani_tx`` alone registers nothing (that needs transformers, hence torch).
 """
 
-from transformers import AutoConfig, AutoModel, AutoModelForSeq2SeqLM, AutoTokenizer
+from __future__ import annotations
 
-from .configuration_vaswani import VaswaniConfig
-from .generation_vaswani import GNMTLengthPenalty, paper_generation_config
-from .modeling_vaswani import VaswaniForConditionalGeneration, VaswaniModel, VaswaniPreTrainedModel
-from .tokenization_fairseq import FairseqTokenizer
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-AutoConfig.register(VaswaniConfig.model_type, VaswaniConfig, exist_ok=True)
-AutoModel.register(VaswaniConfig, VaswaniModel, exist_ok=True)
-AutoModelForSeq2SeqLM.register(VaswaniConfig, VaswaniForConditionalGeneration, exist_ok=True)
-VaswaniConfig.register_for_auto_class()
-VaswaniModel.register_for_auto_class("AutoModel")
-VaswaniForConditionalGeneration.register_for_auto_class("AutoModelForSeq2SeqLM")
-# Converted fairseq and FSMT folders name FairseqTokenizer (and carry its file for trust_remote_code): with the
-# package imported, AutoTokenizer.from_pretrained(folder) finds the package's own class without remote code.
-AutoTokenizer.register(VaswaniConfig, tokenizer_class=FairseqTokenizer, exist_ok=True)
-FairseqTokenizer.register_for_auto_class("AutoTokenizer")
+# name -> the module that defines it
+_CLASSES = {
+    "VaswaniConfig": "configuration_vaswani",
+    "VaswaniForConditionalGeneration": "modeling_vaswani",
+    "VaswaniModel": "modeling_vaswani",
+    "VaswaniPreTrainedModel": "modeling_vaswani",
+    "GNMTLengthPenalty": "generation_vaswani",
+    "paper_generation_config": "generation_vaswani",
+    "FairseqTokenizer": "tokenization_fairseq",
+}
+
+if TYPE_CHECKING:
+    from .configuration_vaswani import VaswaniConfig
+    from .generation_vaswani import GNMTLengthPenalty, paper_generation_config
+    from .modeling_vaswani import VaswaniForConditionalGeneration, VaswaniModel, VaswaniPreTrainedModel
+    from .tokenization_fairseq import FairseqTokenizer
+
+
+def register_auto_classes() -> None:
+    """Register the config, the models and `FairseqTokenizer` with transformers' Auto classes (each module
+    registers its own classes when imported; this imports them all). Idempotent."""
+    for module in dict.fromkeys(_CLASSES.values()):
+        importlib.import_module(f".{module}", __name__)
+
+
+def __getattr__(name: str) -> Any:
+    """The classes of `_CLASSES`, loaded on first use; loading one loads them all (`register_auto_classes`), so
+    that every Auto class knows the package once any of them is used."""
+    if name not in _CLASSES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    register_auto_classes()
+    value = getattr(importlib.import_module(f".{_CLASSES[name]}", __name__), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "FairseqTokenizer",
@@ -35,4 +61,5 @@ __all__ = [
     "VaswaniModel",
     "VaswaniPreTrainedModel",
     "paper_generation_config",
+    "register_auto_classes",
 ]

@@ -20,11 +20,12 @@ import json
 import logging
 import os
 import re
+import shutil
 import time
 import zipfile
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors.torch import load_file
@@ -32,9 +33,17 @@ from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from transformers.utils import SAFE_WEIGHTS_NAME
 
+from vaswani_tx.atomic import atomic_folder, write_text
 from vaswani_tx.errors import UserInputError
+from vaswani_tx.folders import folder_kind
 from vaswani_tx.modeling_vaswani import VaswaniForConditionalGeneration
-from vaswani_tx.tokenization import load_tokenizer
+from vaswani_tx.run_config import ConfigError
+from vaswani_tx.tokenization import check_tokenizer_fits_model, load_tokenizer
+
+if TYPE_CHECKING:
+    from transformers import Seq2SeqTrainingArguments
+
+    from vaswani_tx.run_config import RecipeConfig
 
 logger = logging.getLogger(__name__)
 
@@ -161,7 +170,7 @@ class SamplerStateCallback(TrainerCallback):
         sampler = self.trainer.train_sampler_state()
         folder = Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
         if sampler is not None and args.process_index == 0 and folder.is_dir():
-            (folder / SAMPLER_STATE_NAME).write_text(json.dumps(sampler, indent=1) + "\n", encoding="utf-8")
+            write_text(folder / SAMPLER_STATE_NAME, json.dumps(sampler, indent=1) + "\n")
         return control
 
 
@@ -237,7 +246,9 @@ def average_checkpoints(checkpoints: Sequence[str | os.PathLike], output_dir: st
     For the big models, we averaged the last 20 checkpoints." Each tensor is summed in float64 and
     divided by the count, then cast back to its dtype. The folder written holds the averaged
     ``model.safetensors``, the config and generation config of the last checkpoint, its tokenizer
-    when it has one, the model's code files (``save_pretrained``) and ``averaged_from.json``.
+    when it has one, the model's code files (``save_pretrained``) and ``averaged_from.json``. The folder is built
+    beside ``output_dir`` and takes its place whole once complete (an interrupted run leaves the earlier one);
+    an ``output_dir`` that already holds this exact average is left as it is, with anything beside it.
 
     Raises:
         CheckpointError: fewer than one checkpoint, a truncated one, or checkpoints whose configs,
@@ -286,13 +297,17 @@ def average_checkpoints(checkpoints: Sequence[str | os.PathLike], output_dir: st
     untied = [name for name in missing if name not in parameters or parameters[name].data_ptr() not in stored]
     if unexpected or untied:
         raise CheckpointError(f"averaged weights do not fit the model: missing {untied}, unexpected {unexpected}")
+    tokenizer = load_tokenizer(folders[-1]) if (folders[-1] / "tokenizer.json").is_file() else None
+    if tokenizer is not None:
+        check_tokenizer_fits_model(tokenizer, model.config)  # the one check wherever a tokenizer meets a model
     output_dir = Path(output_dir)
-    model.save_pretrained(output_dir)
-    if (folders[-1] / "tokenizer.json").is_file():
-        load_tokenizer(folders[-1]).save_pretrained(output_dir)
-    (output_dir / "averaged_from.json").write_text(
-        json.dumps({"checkpoints": [str(f) for f in folders]}, indent=1) + "\n", encoding="utf-8"
-    )
+    with atomic_folder(output_dir, keep_unchanged=True) as partial:
+        model.save_pretrained(partial)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(partial)
+        (partial / "averaged_from.json").write_text(
+            json.dumps({"checkpoints": [str(f) for f in folders]}, indent=1) + "\n", encoding="utf-8"
+        )
     return output_dir
 
 
@@ -332,6 +347,93 @@ def average_last_checkpoints(
         raise CheckpointError(f"{run_dir} holds no complete checkpoint-<step> folder")
     output_dir = Path(run_dir) / "averaged" if output_dir is None else Path(output_dir)
     return average_checkpoints(chosen, output_dir), chosen
+
+
+# ---- what a run folder holds before a run ----
+
+
+def _own_entry(entry: Path, inputs: Sequence[Path], output_dir: Path) -> bool:
+    """Whether an entry of ``output_dir`` belongs to the run about to start rather than to an earlier one: hidden
+    (the lock, temporary files), TensorBoard's ``runs``, one of the run's inputs (its tokenizer, its data files,
+    as the parse run writes them) or a folder holding one; with the tokenizer in ``output_dir`` itself, its files."""
+    if entry.name.startswith(".") or entry.name == "runs":
+        return True
+    if output_dir in inputs and entry.name.startswith(("tokenizer", "special_tokens_map")):
+        return True
+    resolved = entry.resolve()
+    return any(resolved == path or resolved in path.parents for path in inputs)
+
+
+def earlier_results(recipe: RecipeConfig, arguments: Seq2SeqTrainingArguments) -> dict[str, tuple]:
+    """What ``output_dir`` holds from another run, when this run starts afresh (no checkpoint to resume from):
+    entry name -> (inode, modification time), to tell later which ones the new run wrote again. Empty when the
+    run can resume (``output_dir`` holds checkpoints, which `resume_checkpoint` judges) or the folder is empty
+    but for the run's own entries (see `_own_entry`)."""
+    output_dir = Path(arguments.output_dir)
+    if not output_dir.is_dir() or checkpoint_folders(output_dir):
+        return {}
+    named = (recipe.tokenizer, recipe.train_source, recipe.train_target, recipe.dev_source, recipe.dev_target)
+    inputs = [Path(path).resolve() for path in (*named, recipe.train_dataset) if path]
+    found = {}
+    for entry in sorted(output_dir.iterdir()):
+        if not _own_entry(entry, inputs, output_dir.resolve()):
+            stat = entry.lstat()
+            found[entry.name] = (stat.st_ino, stat.st_mtime_ns)
+    return found
+
+
+def refuse_earlier_run(recipe: RecipeConfig, arguments: Seq2SeqTrainingArguments, force: bool) -> dict[str, tuple]:
+    """Refuse a new run (nothing to resume) in an ``output_dir`` holding another run's results (an ``averaged``
+    model and its scores, a final model, curves: `earlier_results`), unless ``force``; returns them.
+
+    With ``force`` they are replaced once the new run has finished: ``averaged/`` and the final model by the new
+    run's, and what the new run does not write again is removed then (`remove_earlier_results`), so no score of
+    the earlier weights stays beside the new ones."""
+    earlier = earlier_results(recipe, arguments)
+    if earlier and not force:
+        output_dir = Path(arguments.output_dir)
+        # an average and scores first: what the user would lose
+        names = sorted(earlier, key=lambda name: (name != "averaged" and "scores" not in name, name))
+        shown = ", ".join(name + "/" * (output_dir / name).is_dir() for name in names[:6])
+        shown += f", ... ({len(names)} in all)" if len(names) > 6 else ""
+        kind = folder_kind(output_dir)
+        raise ConfigError(
+            f"output_dir {output_dir} already holds {shown}{f' ({kind})' if kind else ''}, another run's results, "
+            "and no checkpoint to resume from; nothing was written: give another output_dir, or pass --force to "
+            "start a new run there (what it holds is replaced once the new run has finished)"
+        )
+    return earlier
+
+
+def remove_earlier_results(output_dir: str | os.PathLike, earlier: dict[str, tuple]) -> None:
+    """Remove the entries `refuse_earlier_run` found (with ``force``) that the finished run did not write again."""
+    for name, identity in earlier.items():
+        entry = Path(output_dir) / name
+        try:
+            stat = entry.lstat()
+        except FileNotFoundError:
+            continue
+        if (stat.st_ino, stat.st_mtime_ns) != identity:
+            continue  # written again by this run
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry)
+        else:
+            entry.unlink()
+        logger.info("removed %s, left by the run this one replaced (--force)", entry)
+
+
+def replaced_average(averaged: Path, before: tuple | None, names_before: list[str]) -> None:
+    """Say which files went with an earlier ``averaged/`` that a resumed run replaced with a new average."""
+    if before is None or not averaged.is_dir():
+        return
+    stat = averaged.lstat()
+    gone = [name for name in names_before if not (averaged / name).exists()]
+    if (stat.st_ino, stat.st_mtime_ns) != before and gone:
+        logger.warning(
+            "%s now holds the average of later checkpoints; %s, written beside the earlier average, went with it",
+            averaged,
+            ", ".join(gone),
+        )
 
 
 __all__ = [

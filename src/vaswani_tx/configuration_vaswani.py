@@ -10,7 +10,7 @@ This file is copied next to saved weights for `trust_remote_code`: it imports on
 
 from __future__ import annotations
 
-from transformers import PreTrainedConfig
+from transformers import AutoConfig, PreTrainedConfig
 
 from .errors import UserInputError
 
@@ -236,5 +236,9 @@ class VaswaniConfig(PreTrainedConfig):
 def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
+
+if __name__ == "vaswani_tx.configuration_vaswani":  # the package's copy; transformers registers a saved folder's
+    AutoConfig.register(VaswaniConfig.model_type, VaswaniConfig, exist_ok=True)
+    VaswaniConfig.register_for_auto_class()
 
 __all__ = ["VaswaniConfig"]

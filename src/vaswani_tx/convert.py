@@ -29,13 +29,12 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from .atomic import atomic_folder
 from .configuration_vaswani import VaswaniConfig
 from .errors import UserInputError
 from .fairseq_checkpoint import CheckpointError, checkpoint_settings, load_checkpoint, read_dictionary
@@ -464,17 +463,39 @@ def _fairseq_tokenizer(checkpoint_path: Path, settings: dict[str, Any], out: Pat
 
 def _generation_config(model: VaswaniForConditionalGeneration, source: dict[str, Any]):
     """The source's decoding settings, as they are (beam size, length penalty, max_length, bad_words_ids,
-    forced end, ...), with transformers' length penalty form and no source-length cap, so that `generate`
-    reproduces the source model's translations; the special ids are ours (the same ids)."""
+    forced end, ...), so that `generate` reproduces the source model's translations: transformers' length penalty
+    form |Y|^alpha and no source-length cap, as MarianMT and FSMT decode, unless the source records ours (a model
+    `vaswani_tx.export.export_marian` wrote: `length_penalty_type`, `max_output_length_offset`), which then stay
+    as they were before the export (GNMT stays GNMT). The special ids are ours (the same ids)."""
     from transformers import GenerationConfig
 
     settings = {
         key: value for key, value in source.items() if not key.startswith("_") and key != "transformers_version"
     }
-    settings.update(length_penalty_type="hf", max_output_length_offset=None)
+    settings.update(
+        length_penalty_type=source.get("length_penalty_type", "hf"),
+        max_output_length_offset=source.get("max_output_length_offset"),
+    )
     for name in ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id"):
         settings[name] = getattr(model.config, name)
     return GenerationConfig(**settings)
+
+
+def describe_decoding(folder: str | os.PathLike) -> str:
+    """How a converted folder decodes, in one line: beam size, alpha and the length penalty's form, the output cap."""
+    from transformers import GenerationConfig
+
+    generation = GenerationConfig.from_pretrained(folder)
+    gnmt = getattr(generation, "length_penalty_type", "hf") == "gnmt"
+    form = "GNMT form ((5 + |Y|) / 6)^alpha" if gnmt else "transformers' form |Y|^alpha, as MarianMT and FSMT decode"
+    offset = getattr(generation, "max_output_length_offset", None)
+    if offset is not None:
+        cap = f"at most source length + {offset} tokens"
+    elif getattr(generation, "max_len_b", None) is not None:
+        cap = f"at most {generation.max_len_a or 0:g} * source length + {generation.max_len_b} tokens (fairseq's)"
+    else:
+        cap = f"at most max_length={generation.max_length} tokens"
+    return f"decoding: beam {generation.num_beams}, length penalty alpha {generation.length_penalty:g} in the {form}; {cap}"
 
 
 def _detect(source: Path) -> tuple[str, Path]:
@@ -504,13 +525,13 @@ def convert(source: str | os.PathLike, out: str | os.PathLike) -> Path:
     vaswani_tx model folder at `out`: safetensors weights, config with our code files and pipeline,
     generation config with the source's decoding settings, and the source's tokenizer. Returns `out`.
 
-    Nothing is written when the source is refused (`ConversionError`, `CheckpointError`)."""
+    The folder is built beside `out` and takes its place whole once complete: nothing is written when the source
+    is refused (`ConversionError`, `CheckpointError`), and a failed or interrupted conversion leaves `out` as it was."""
     from transformers import AutoTokenizer, GenerationConfig
 
     kind, path = _detect(Path(source))
     out = Path(out)
-    staging = Path(tempfile.mkdtemp(prefix="vaswani-convert-"))
-    try:
+    with atomic_folder(out) as staging:  # takes the place of `out` whole once written
         if kind == "fairseq":
             model, settings = fairseq_to_vaswani(path)
             _fairseq_tokenizer(path, settings, staging)
@@ -534,11 +555,6 @@ def convert(source: str | os.PathLike, out: str | os.PathLike) -> Path:
         model.config.tokenizer_fingerprint = vocabulary_fingerprint(tokenizer)  # refuses another model's tokenizer
         model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
-        out.mkdir(parents=True, exist_ok=True)
-        for item in staging.iterdir():
-            shutil.move(str(item), out / item.name)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
     return out
 
 
@@ -546,6 +562,7 @@ __all__ = [
     "CheckpointError",
     "ConversionError",
     "convert",
+    "describe_decoding",
     "fairseq_to_vaswani",
     "fsmt_to_vaswani",
     "layer_tensor_map",

@@ -180,10 +180,13 @@ def load_wmt14(
     *,
     cache_dir: str | os.PathLike | None = None,
     num_proc: int | None = None,
+    local_files: str = "read_parallel_files('train.en', 'train.de'), read_tsv or read_jsonl",
 ) -> datasets.Dataset:
     """WMT 2014 from the Hugging Face Hub (``wmt/wmt14``): EN-DE and EN-FR are the paper's (Section 5.1).
 
     ``split`` is ``train``, ``validation`` (newstest2013, the paper's dev set) or ``test`` (newstest2014).
+    ``local_files`` names what the caller takes instead (its own options, for a command), in the error
+    raised without a network.
 
     Raises:
         UserInputError: a language pair without English, or a split WMT14 does not have.
@@ -202,9 +205,7 @@ def load_wmt14(
     except ConnectionError as err:
         raise ConnectionError(
             f"could not load WMT14 {config} ({split}) from the Hugging Face Hub ({WMT14_HUB_PATH}): {err}. "
-            "Connect to the internet once (the datasets cache keeps it), or use local files instead: "
-            "read_parallel_files('train.en', 'train.de'), read_tsv or read_jsonl "
-            "(on the command line: --source-file/--target-file, --tsv, --jsonl)."
+            f"Connect to the internet once (the datasets cache keeps it), or use local files instead: {local_files}."
         ) from err
     return raw.map(
         _translation_to_columns,

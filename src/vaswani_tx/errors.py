@@ -7,12 +7,16 @@ Anything else that escapes a command is a bug: one line and exit 1, the tracebac
 `UserInputError` is a `ValueError`, so library callers that catch ValueError for bad arguments keep working;
 torch's own ValueErrors (shape mismatches inside the model) are not user errors and stay bugs.
 
-It also holds the model's checks of its inputs (ids inside the vocabulary, masks the shape of the ids),
-which raise it. This file travels with saved weights for `trust_remote_code` (the config and the model raise
-these errors): it imports nothing (the checks use tensor methods only).
+It also holds the model's checks of its inputs (ids inside the vocabulary, masks the shape of the ids, weights
+that fit the config), which raise it. This file travels with saved weights for `trust_remote_code` (the config
+and the model raise these errors): it imports nothing but the standard library (the checks use tensor methods).
 """
 
 from __future__ import annotations
+
+import contextlib
+import logging
+import re
 
 
 class UserInputError(ValueError):
@@ -50,4 +54,126 @@ def check_decoder_mask(mask, length: int, past_length: int) -> None:
         )
 
 
-__all__ = ["UserInputError", "check_decoder_mask", "check_mask", "check_token_ids"]
+# The config fields that set each dimension of a weight: (pattern of the weight's name, one field per dimension).
+# A field config.json does not give takes VaswaniConfig's default (the base model's), which the weights may not have.
+_H_DK, _H_DV = "num_heads * d_k", "num_heads * d_v"
+_FIELDS_OF_WEIGHT = (
+    (r"(^|\.)shared\.weight$|encoder\.embeddings\.embed_tokens\.weight$", ("vocab_size", "d_model")),
+    (r"decoder\.embeddings\.embed_tokens\.weight$|(^|\.)lm_head\.weight$", ("decoder_vocab_size", "d_model")),
+    (r"final_logits_bias$", (None, "decoder_vocab_size")),
+    (r"attn\.[qk]_proj\.weight$", (_H_DK, "d_model")),
+    (r"attn\.[qk]_proj\.bias$", (_H_DK,)),
+    (r"attn\.v_proj\.weight$", (_H_DV, "d_model")),
+    (r"attn\.v_proj\.bias$", (_H_DV,)),
+    (r"attn\.out_proj\.weight$", ("d_model", _H_DV)),
+    (r"decoder\.layers\.\d+\.feed_forward\.w_1\.weight$", ("decoder_d_ff", "d_model")),
+    (r"decoder\.layers\.\d+\.feed_forward\.w_1\.bias$", ("decoder_d_ff",)),
+    (r"decoder\.layers\.\d+\.feed_forward\.w_2\.weight$", ("d_model", "decoder_d_ff")),
+    (r"feed_forward\.w_1\.weight$", ("d_ff", "d_model")),
+    (r"feed_forward\.w_1\.bias$", ("d_ff",)),
+    (r"feed_forward\.w_2\.weight$", ("d_model", "d_ff")),
+    (r"(_norm\.(weight|bias)|out_proj\.bias|w_2\.bias)$", ("d_model",)),
+)
+
+
+def _config_value(config, field: str) -> tuple[str, int]:
+    """(the field as named to the user, its value) for a field of `_FIELDS_OF_WEIGHT`."""
+    if field == "decoder_d_ff" and config.decoder_d_ff is None:
+        return "d_ff", config.d_ff
+    if field == "decoder_vocab_size" and config.share_encoder_decoder_embeddings:
+        return "vocab_size", config.vocab_size
+    if field in (_H_DK, _H_DV):
+        return field, config.num_heads * getattr(config, field.rpartition(" ")[2])
+    return field, getattr(config, field)
+
+
+def weights_against_config(config, loading_info: dict) -> str | None:
+    """What `from_pretrained`'s `loading_info` says is wrong between the weights and the config, by config field
+    (`vocab_size: config has 37000, the weights have 500`), or None when they fit. Weights whose misfit no field
+    explains are named with both shapes; missing and unexpected layers give the layer count."""
+    clashes: dict[str, str] = {}
+    unexplained = []
+    for key, in_weights, in_model in sorted(loading_info.get("mismatched_keys", ())):
+        fields = next((f for pattern, f in _FIELDS_OF_WEIGHT if re.search(pattern, key)), None)
+        if fields is None or len(fields) != len(in_weights) or len(in_weights) != len(in_model):
+            unexplained.append(f"{key} is {tuple(in_weights)} in the weights, {tuple(in_model)} by the config")
+            continue
+        for field, size, expected in zip(fields, in_weights, in_model):
+            if field is not None and size != expected:
+                name, value = _config_value(config, field)
+                clashes.setdefault(name, f"{name}: config has {value}, the weights have {size}")
+    layers: dict[str, list[int]] = {}
+    others = []
+    for kind in ("missing_keys", "unexpected_keys"):
+        for key in sorted(loading_info.get(kind, ())):
+            match = re.search(r"(encoder|decoder)\.layers\.(\d+)\.", key)
+            if match:
+                layers.setdefault(match[1], []).append(int(match[2]) + (kind == "unexpected_keys"))
+            else:
+                others.append(
+                    f"{key} {'is missing from the weights' if kind == 'missing_keys' else 'is in the weights, not in the model'}"
+                )
+    for stack, counts in sorted(layers.items()):
+        field = f"num_{stack}_layers"
+        expected = getattr(config, field)
+        actual = max(counts) if max(counts) > expected else min(counts)  # unexpected: past the end; missing: gaps
+        clashes.setdefault(field, f"{field}: config has {expected}, the weights have {actual}")
+    problems = [*clashes.values(), *unexplained[:3], *others[:3]]
+    if not problems:
+        return None
+    return (
+        "the weights do not fit the config; "
+        + "; ".join(problems)
+        + " (config.json must give the sizes the model was saved with: a field it leaves out takes VaswaniConfig's "
+        "default, the base model's)"
+    )
+
+
+@contextlib.contextmanager
+def held_load_report():
+    """Hold back transformers' loading report (a table of every misfit weight) while `from_pretrained` runs: when
+    the weights do not fit, one error naming the config fields says it instead; otherwise it is logged as it was."""
+    logger = logging.getLogger("transformers.modeling_utils")
+    held: list[logging.LogRecord] = []
+
+    def hold(record: logging.LogRecord) -> bool:
+        if "LOAD REPORT" in str(record.msg):
+            held.append(record)
+            return False
+        return True
+
+    logger.addFilter(hold)
+    try:
+        yield held
+    finally:
+        logger.removeFilter(hold)
+
+
+def load_fitting_weights(from_pretrained, *args, **kwargs):
+    """`from_pretrained(*args, **kwargs)` (transformers'), refusing weights that do not fit the config with a
+    `UserInputError` naming the config fields (`weights_against_config`), where transformers raises a bare
+    RuntimeError for a size mismatch and fills missing layers with random weights without an error. With
+    `ignore_mismatched_sizes` given, transformers' own behaviour."""
+    if "ignore_mismatched_sizes" in kwargs:
+        return from_pretrained(*args, **kwargs)
+    wants_info = kwargs.pop("output_loading_info", False)
+    with held_load_report() as report:
+        model, info = from_pretrained(*args, ignore_mismatched_sizes=True, output_loading_info=True, **kwargs)
+    problem = weights_against_config(model.config, info)
+    if problem:
+        source = args[0] if args else kwargs.get("pretrained_model_name_or_path")
+        raise UserInputError(f"{source}: {problem}")
+    for record in report:
+        logging.getLogger("transformers.modeling_utils").handle(record)
+    return (model, info) if wants_info else model
+
+
+__all__ = [
+    "UserInputError",
+    "check_decoder_mask",
+    "check_mask",
+    "check_token_ids",
+    "held_load_report",
+    "load_fitting_weights",
+    "weights_against_config",
+]

@@ -18,17 +18,20 @@ library's converter. How each part of Section 3 maps onto CTranslate2's Transfor
 - the vocabulary is the saved tokenizer's, in id order; ``</s>`` ends the source as our tokenizer
   writes it, and decoding starts from ``<s>`` (the config's ``decoder_start_token_id``).
 
-CTranslate2 has no place in its model for decoding settings, so the paper's (Section 6.1) are written
-next to the model in ``vaswani_decoding.json`` as CTranslate2 ``translate_batch`` options
-(:func:`ct2_decoding_options` reads them): beam 4 and length penalty 0.6. Two parts of Section 6.1
-have no CTranslate2 equivalent: its length penalty is transformers' ``|Y|^alpha``, not the GNMT form
-``((5 + |Y|) / 6)^alpha``, and its output limit is one ``max_decoding_length`` for the batch, not each
-source's length + 50 (the file stores the offset; the options set the limit from the longest source).
+CTranslate2 has no place in its model for decoding settings, so the model's own (its generation config's:
+Section 6.1's beam 4 and length penalty 0.6 unless its run config chose others) are written next to the model in
+``vaswani_decoding.json`` as CTranslate2 ``translate_batch`` options (:func:`ct2_decoding_options` reads them).
+Two parts of Section 6.1 have no CTranslate2 equivalent: its length penalty is transformers' ``|Y|^alpha``, not
+the GNMT form ``((5 + |Y|) / 6)^alpha``, and its output limit is one ``max_decoding_length`` for the batch, not
+each source's length + 50 (the file stores the offset; the options set the limit from the longest source).
 
 :func:`export_marian` writes a MarianMTModel folder with our logits: the hidden dimension permuted to Marian's
 sin-half/cos-half layout by the mapping ``vaswani_tx.convert`` reads Marian with, so the two directions cannot
-drift apart. Its decoding carries over beam size and length penalty; the GNMT form and the source-length + 50
-cap cannot.
+drift apart. Its generation_config.json carries beam size, alpha and early stopping, and records the length
+penalty's form and the source-length offset as two fields of ours (``length_penalty_type``,
+``max_output_length_offset``): MarianMTModel's ``generate()`` ignores them and applies transformers' ``|Y|^alpha``
+with one ``max_length`` (the export warns when the model decodes otherwise), and ``vaswani-tx convert`` reads
+them back, so a model exported and converted back decodes as it did (GNMT stays GNMT).
 
 Nothing is imported at module level beyond the standard library: ``vaswani-tx export-ct2 --help`` lists
 :data:`QUANTIZATIONS` without loading torch.
@@ -37,18 +40,23 @@ Nothing is imported at module level beyond the standard library: ``vaswani-tx ex
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from .atomic import atomic_folder
 from .errors import UserInputError
+from .folders import refuse_to_overwrite
 
 if TYPE_CHECKING:
     from transformers import MarianMTModel
 
     from .modeling_vaswani import VaswaniForConditionalGeneration
+
+logger = logging.getLogger(__name__)
 
 DECODING_FILE = "vaswani_decoding.json"
 QUANTIZATIONS = ("int8", "int8_float32", "int16", "float16", "bfloat16", "int8_float16", "int8_bfloat16")
@@ -167,7 +175,10 @@ def export_ct2(
     model_dir: str | os.PathLike, out_dir: str | os.PathLike, quantization: str | None = None, force: bool = False
 ) -> Path:
     """Convert the saved model folder `model_dir` (weights, config and tokenizer) into a CTranslate2
-    model folder `out_dir`; `quantization` (e.g. "int8") is CTranslate2's weight quantization."""
+    model folder `out_dir`; `quantization` (e.g. "int8") is CTranslate2's weight quantization.
+
+    A non-empty `out_dir` is refused unless `force`; the export is written beside it and takes its place whole
+    once complete, so a failed or interrupted export leaves what `out_dir` held before."""
     import torch
 
     from .modeling_vaswani import VaswaniForConditionalGeneration
@@ -180,8 +191,7 @@ def export_ct2(
             f"quantization={quantization!r} is not allowed; choose one of {', '.join(QUANTIZATIONS)}."
         )
     check_model_folder(model_dir)  # a MarianMT or FSMT folder is refused, naming `vaswani-tx convert`
-    if out_dir.exists() and any(out_dir.iterdir()) and not force:
-        raise FileExistsError(f"{out_dir} exists and is not empty; pass force=True (--force) to overwrite it.")
+    refuse_to_overwrite(out_dir, force, inputs=[model_dir])
     try:
         tokenizer = load_tokenizer(model_dir)
     except FileNotFoundError:
@@ -198,8 +208,6 @@ def export_ct2(
         spec = build_ct2_spec(model, tokens, unk_token=tokenizer.unk_token or "<unk>")
         spec.validate()
         spec.optimize(quantization=quantization)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    spec.save(str(out_dir))
     generation = model.generation_config
     decoding = {
         "beam_size": generation.num_beams,
@@ -208,7 +216,9 @@ def export_ct2(
         "note": "Section 6.1 decoding as CTranslate2 translate_batch options; CTranslate2's length penalty is "
         "|Y|^alpha, not the paper's GNMT form; ct2_decoding_options sets max_decoding_length from the longest source.",
     }
-    (out_dir / DECODING_FILE).write_text(json.dumps(decoding, indent=2) + "\n")
+    with atomic_folder(out_dir) as partial:  # an interrupted export leaves the earlier one (or none) whole
+        spec.save(str(partial))
+        (partial / DECODING_FILE).write_text(json.dumps(decoding, indent=2) + "\n")
     return out_dir
 
 
@@ -311,12 +321,16 @@ def vaswani_to_marian(model: VaswaniForConditionalGeneration) -> MarianMTModel:
 
 def export_marian(model: str | os.PathLike | VaswaniForConditionalGeneration, out: str | os.PathLike) -> Path:
     """Write one of ours (a model folder or object) as a MarianMTModel folder at `out`, with its tokenizer when
-    `model` is a folder. Decoding settings that Marian's config can hold carry over (beam size, length penalty in
-    transformers' form, early stopping); the paper's GNMT length penalty and source-length + 50 cap cannot."""
+    `model` is a folder, built beside `out` and put in its place whole (what `out` held is gone; an interrupted
+    export leaves it as it was). Decoding settings that Marian's config can hold carry over (beam size, alpha, early
+    stopping); the length penalty's form and the source-length offset are recorded for `vaswani-tx convert`
+    (``length_penalty_type``, ``max_output_length_offset``), which MarianMTModel ignores: it applies transformers'
+    ``|Y|^alpha``, and a warning says so when the model decodes with the GNMT form or the offset."""
     from transformers import AutoTokenizer, GenerationConfig
 
     from .convert import ConversionError
     from .modeling_vaswani import VaswaniForConditionalGeneration
+    from .vocabulary import check_tokenizer_fits_model
 
     folder = None
     if not isinstance(model, VaswaniForConditionalGeneration):
@@ -331,9 +345,25 @@ def export_marian(model: str | os.PathLike | VaswaniForConditionalGeneration, ou
         model = VaswaniForConditionalGeneration.from_pretrained(folder)
     marian = vaswani_to_marian(model.eval())
     ours = model.generation_config
+    penalty_type = getattr(ours, "length_penalty_type", "hf")
+    offset = getattr(ours, "max_output_length_offset", None)
+    if penalty_type == "gnmt" or offset is not None:
+        logger.warning(
+            "MarianMTModel decodes otherwise than this model: its generate() divides scores by transformers' length "
+            "penalty |Y|^%s, not the GNMT ((5 + |Y|) / 6)^%s this model uses, and stops at one max_length (%d) "
+            "rather than each source's length + %s tokens, so its translations can differ. generation_config.json "
+            "records both settings (length_penalty_type, max_output_length_offset), and `vaswani-tx convert` reads "
+            "them back.",
+            float(ours.length_penalty),
+            float(ours.length_penalty),
+            model.config.max_position_embeddings,
+            offset,
+        )
     marian.generation_config = GenerationConfig(
         num_beams=ours.num_beams,
         length_penalty=float(ours.length_penalty),
+        length_penalty_type=penalty_type,  # ours; MarianMT ignores it, `vaswani-tx convert` reads it back
+        max_output_length_offset=offset,
         early_stopping=ours.early_stopping,
         max_length=model.config.max_position_embeddings,
         bos_token_id=model.config.bos_token_id,
@@ -341,10 +371,18 @@ def export_marian(model: str | os.PathLike | VaswaniForConditionalGeneration, ou
         pad_token_id=model.config.pad_token_id,
         decoder_start_token_id=model.config.decoder_start_token_id,
     )
-    out = Path(out)
-    marian.save_pretrained(out)
+    tokenizer = None
     if folder is not None and any((folder / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
-        AutoTokenizer.from_pretrained(folder).save_pretrained(out)
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+        try:
+            check_tokenizer_fits_model(tokenizer, model.config)  # the one check wherever a tokenizer meets a model
+        except UserInputError as err:
+            raise UserInputError(f"{folder}: {err}") from None
+    out = Path(out)
+    with atomic_folder(out) as partial:  # takes the place of `out` whole once written
+        marian.save_pretrained(partial)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(partial)
     return out
 
 

@@ -2,7 +2,9 @@
 
 - :func:`folder_kind` says what a folder holds (a vaswani_tx model, another library's model, a training
   run, a checkpoint, a tokenizer, a CTranslate2 export), so a command can name what it was given.
-- :func:`refuse_to_overwrite` refuses an output folder that already holds something, unless ``--force``.
+- :func:`refuse_to_overwrite` refuses an output folder that already holds something, unless ``--force`` (which
+  replaces it whole once the new one is written: never a folder that holds the command's inputs).
+- :func:`refuse_to_replace` refuses output files that exist already, unless ``--force``.
 - :func:`check_writable` finds an unusable output location (under a file, read-only, an existing folder
   where a file is wanted) before any decoding or training, by writing a probe file there.
 - :class:`RunLock` is the lock ``train`` holds on ``output_dir`` while it writes it: a second run on the
@@ -19,6 +21,7 @@ import os
 import socket
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from vaswani_tx.errors import UserInputError
@@ -32,6 +35,8 @@ def folder_kind(path: str | os.PathLike) -> str | None:
     path = Path(path)
     if not path.is_dir():
         return None
+    if (path / "model.bin").is_file() and not (path / "trainer_state.json").is_file():
+        return "a CTranslate2 model folder"  # which has a config.json of its own
     if (path / "config.json").is_file():
         try:
             model_type = json.loads((path / "config.json").read_text(encoding="utf-8")).get("model_type")
@@ -44,8 +49,6 @@ def folder_kind(path: str | os.PathLike) -> str | None:
         return f"a {model_type} model folder" if model_type else "a model folder (config.json)"
     if any(p.is_dir() and p.name.startswith("checkpoint-") for p in path.iterdir()):
         return "a training run folder (checkpoint-<step> folders)"
-    if (path / "model.bin").is_file():
-        return "a CTranslate2 model folder"
     if (path / "tokenizer.json").is_file() or (path / "tokenizer_config.json").is_file():
         return "a tokenizer folder"
     if (path / "dataset_info.json").is_file() or (path / "state.json").is_file():
@@ -78,14 +81,32 @@ def require_vaswani_model(path: str | os.PathLike) -> None:
         )
 
 
-def refuse_to_overwrite(path: str | os.PathLike, force: bool, option: str = "--force") -> None:
-    """Refuse `path` as an output folder when it exists and is not empty (naming what it holds), unless `force`."""
+def _within(path: str | os.PathLike, folder: Path) -> bool:
+    path, folder = Path(path).resolve(), folder.resolve()
+    return path == folder or folder in path.parents
+
+
+def refuse_to_overwrite(
+    path: str | os.PathLike, force: bool, option: str = "--force", inputs: Sequence[str | os.PathLike] = ()
+) -> None:
+    """Refuse `path` as an output folder when it exists and is not empty (naming what it holds), unless `force`.
+
+    With `force` the new folder replaces `path` whole once written (`vaswani_tx.atomic.atomic_folder`), so a
+    `path` that is or holds one of the command's `inputs`, or the current folder, is refused all the same."""
     path = Path(path)
     if not path.exists():
         return
     if not path.is_dir():
         raise UserInputError(f"output folder {path} exists and is a file, not a folder")
-    if force or not any(path.iterdir()):
+    if not any(path.iterdir()):
+        return
+    if force:
+        for held in (*inputs, Path.cwd()):
+            if _within(held, path):
+                what = "the current folder" if held == Path.cwd() else f"{held}, which this command reads"
+                raise UserInputError(
+                    f"output folder {path} is or holds {what}; {option} would replace it whole: give another folder"
+                )
         return
     kind = folder_kind(path)
     raise FileExistsError(
@@ -94,14 +115,30 @@ def refuse_to_overwrite(path: str | os.PathLike, force: bool, option: str = "--f
     )
 
 
+def refuse_to_replace(paths: Sequence[str | os.PathLike], force: bool, option: str = "--force") -> None:
+    """Refuse output files that already exist (naming them), unless `force`; with `force` each is replaced only
+    once its new content is complete (`vaswani_tx.atomic`)."""
+    existing = [str(path) for path in paths if os.path.lexists(path)]
+    if existing and not force:
+        some = "output file " + existing[0] if len(existing) == 1 else "output files " + ", ".join(existing)
+        raise FileExistsError(
+            f"{some} already {'exists' if len(existing) == 1 else 'exist'}; nothing was written: give another "
+            f"name, or pass {option} to replace {'it' if len(existing) == 1 else 'them'}"
+        )
+
+
 def check_writable(path: str | os.PathLike, kind: str = "dir") -> None:
-    """Refuse an output location before any work: `kind` "dir" for a folder (created later if missing),
-    "file" for a file. Writes and removes a probe file in the nearest existing folder."""
+    """Refuse an output location before any work: `kind` "dir" for a folder that files are written into
+    (created later if missing), "whole-dir" for a folder written whole (built beside it, then swapped in: its
+    parent must be writable, or the folder itself when it is empty), "file" for a file (written beside it, then
+    moved in). Writes and removes a probe file in the nearest existing folder."""
     path = Path(path)
     if kind == "file" and path.is_dir():
         raise UserInputError(f"output file {path} is a folder; give a file name")
-    if kind == "dir" and path.exists() and not path.is_dir():
+    if kind != "file" and path.exists() and not path.is_dir():
         raise UserInputError(f"output folder {path} is a file, not a folder")
+    if kind == "whole-dir" and path.is_dir() and not any(path.iterdir()):
+        kind = "dir"  # an empty folder is filled in place
     probe_in = path if kind == "dir" else path.parent
     while not probe_in.exists():
         probe_in = probe_in.parent

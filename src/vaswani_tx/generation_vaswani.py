@@ -11,17 +11,24 @@ Where this departs from the paper (pinned by a test): beam search uses `generate
 a sentence stops once `num_beams` hypotheses have ended, the closest `generate()` comes to "terminate
 early when possible" (Section 6.1).
 
+`generate()` refuses impossible arguments (a beam of 0, an empty batch, a negative length offset, ...) with a
+`UserInputError` (a ValueError) naming the argument, before transformers' own code would fail on them with an
+error about something else (a division by zero, a reduction of an empty tensor).
+
 This file travels with saved weights for `trust_remote_code` (the model imports it): torch,
-transformers and static_decoding.py only.
+transformers, errors.py and static_decoding.py only.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 from torch import nn
 from transformers import GenerationConfig, GenerationMixin
 from transformers.generation.logits_process import LogitsProcessor, LogitsProcessorList
 
+from .errors import UserInputError
 from .static_decoding import (
     CACHE_FIELD,
     StaticDecodingCache,
@@ -124,6 +131,62 @@ def fairseq_generation_config(config, beam: int = 5, max_len_a: float = 0.0, max
     )
 
 
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_generate_arguments(config: GenerationConfig, kwargs: dict, inputs: torch.Tensor | None) -> None:
+    """Refuse `generate()` arguments no decoding can follow (each given or from the generation config), naming the
+    argument, its value and what is allowed: `num_beams` and `num_return_sequences` must be whole numbers >= 1,
+    `length_penalty` a finite number, `max_output_length_offset` a whole number (negative: shorter than the source;
+    `generate` checks that every source keeps at least one token), `max_len_b` a whole number >= 0 and `max_len_a`
+    a number >= 0 (or None); the batch (`inputs`, `input_ids` or `inputs_embeds`) must hold at least one sequence
+    of at least one position, and ids are integers.
+
+    Raises:
+        UserInputError: the first argument that cannot be used."""
+
+    def value(name: str):
+        return kwargs[name] if name in kwargs else getattr(config, name, None)
+
+    for name in ("num_beams", "num_return_sequences"):
+        given = value(name)
+        if given is not None and (not _is_int(given) or given < 1):
+            raise UserInputError(f"generate(): {name}={given!r} is not allowed; it must be a whole number >= 1.")
+    penalty = value("length_penalty")
+    if penalty is not None and (
+        isinstance(penalty, bool) or not isinstance(penalty, (int, float)) or not math.isfinite(penalty)
+    ):
+        raise UserInputError(f"generate(): length_penalty={penalty!r} is not allowed; it must be a finite number.")
+    offset = value("max_output_length_offset")
+    if offset is not None and not _is_int(offset):
+        raise UserInputError(
+            f"generate(): max_output_length_offset={offset!r} is not allowed; it must be a whole number (or None)."
+        )
+    given = value("max_len_b")
+    if given is not None and (not _is_int(given) or given < 0):
+        raise UserInputError(
+            f"generate(): max_len_b={given!r} is not allowed; it must be a whole number >= 0 (or None)."
+        )
+    given = value("max_len_a")
+    if given is not None and (isinstance(given, bool) or not isinstance(given, (int, float)) or not given >= 0):
+        raise UserInputError(f"generate(): max_len_a={given!r} is not allowed; it must be a number >= 0 (or None).")
+    batches = {"inputs": inputs, "input_ids": kwargs.get("input_ids"), "inputs_embeds": kwargs.get("inputs_embeds")}
+    for name, batch in batches.items():
+        if not isinstance(batch, torch.Tensor) or batch.dim() < 2:
+            continue
+        if 0 in batch.shape[:2]:
+            what = "an empty batch" if batch.shape[0] == 0 else "sequences without a single position"
+            raise UserInputError(
+                f"generate(): {name} has shape {tuple(batch.shape)}, {what}; give at least one sequence of at least "
+                "one token (its end-of-sentence token counts)."
+            )
+        if batch.dim() == 2 and batch.is_floating_point():
+            raise UserInputError(
+                f"generate(): {name} holds {batch.dtype} values; token ids are integers (torch.long)."
+            )
+
+
 class VaswaniGenerationMixin(GenerationMixin):
     """`GenerationMixin` with the two Section 6.1 settings it lacks, read from the generation config
     or passed to `generate()`: `length_penalty_type` ("gnmt", the paper's, or "hf") and
@@ -143,6 +206,7 @@ class VaswaniGenerationMixin(GenerationMixin):
         """`GenerationMixin.generate` with the GNMT length penalty and a maximum output length per source.
         Passing `max_length` or `max_new_tokens` replaces the latter with that global limit."""
         config = generation_config if generation_config is not None else self.generation_config
+        check_generate_arguments(config, kwargs, inputs)
         penalty_type = kwargs.pop("length_penalty_type", getattr(config, "length_penalty_type", "hf"))
         offset_given = kwargs.get("max_output_length_offset") is not None
         cap_given = kwargs.get("max_len_b") is not None
@@ -159,7 +223,7 @@ class VaswaniGenerationMixin(GenerationMixin):
                     "the encoder-decoder attention once per source; decode with the default dynamic cache instead."
                 )
         if penalty_type not in ("gnmt", "hf"):
-            raise ValueError(
+            raise UserInputError(
                 f"length_penalty_type={penalty_type!r} is not allowed; choose 'gnmt' (the paper's) or 'hf'."
             )
         if penalty_type == "gnmt":
@@ -181,6 +245,12 @@ class VaswaniGenerationMixin(GenerationMixin):
                 limits = tokens.clamp(max=self.config.max_position_embeddings - 1) + 1
             else:
                 limits = source_lengths + int(offset)  # (B,)
+                if int(limits.min()) < 1:
+                    row = int(limits.argmin())
+                    raise UserInputError(
+                        f"generate(): max_output_length_offset={offset} leaves source {row} ({int(source_lengths[row])} "
+                        "tokens) no output token: each source may produce its length + the offset, at least 1."
+                    )
             # As max_length (decoder prefix + longest cap), not max_new_tokens: a saved generation config
             # that carries a max_length (Seq2SeqTrainer's evaluation writes its defaults into the model's)
             # would otherwise clash with it and make generate() warn.

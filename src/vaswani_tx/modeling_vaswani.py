@@ -9,9 +9,8 @@ Shape legend: B batch, S source length, T target length (new tokens this call), 
 positions, G sources whose rows share cached keys (G divides B), h heads, d_k query/key size per head,
 d_v value size per head, D d_model, F d_ff, V vocabulary.
 
-One body per layer: training and decoding with any cache (transformers' dynamic one, static_decoding.py's
-slots, compiled or not) run the same `forward`. The attention takes the keys and values of earlier positions
-and of the source from the cache it is given (transformers' `EncoderDecoderCache` interface).
+One body per layer: training and decoding with any cache (transformers' dynamic one, static_decoding.py's slots,
+compiled or not) run the same `forward`; the attention takes earlier keys and values from the cache it is given.
 
 Where this file departs from the paper, and why (each is pinned by a test):
 - Initialisation is not given in the paper. Linear weights use Xavier-uniform, as in the authors'
@@ -32,9 +31,8 @@ named branch: `attention_bias` (biases on W^Q, W^K, W^V, W^O), `activation_funct
 own (`decoder_d_ff`). Marian's and fairseq's sin-half/cos-half layout of D needs no option: conversion
 permutes the weights.
 
-This file is copied next to saved weights for `trust_remote_code`: it imports only torch,
-transformers and the files that travel with it (the config, errors.py, skip_padding.py,
-generation_vaswani.py for Section 6.1 and the translation pipeline, which saving declares in config.json).
+Copied next to saved weights for `trust_remote_code`: imports torch, transformers and the files that travel with
+it (the config, errors.py, skip_padding.py, generation_vaswani.py, the pipeline that config.json declares).
 """
 
 from __future__ import annotations
@@ -43,7 +41,7 @@ import math
 
 import torch
 from torch import nn
-from transformers import PreTrainedModel
+from transformers import AutoModel, AutoModelForSeq2SeqLM, PreTrainedModel
 from transformers import initialization as init
 from transformers.cache_utils import Cache, DynamicCache, EncoderDecoderCache
 from transformers.modeling_layers import GradientCheckpointingLayer
@@ -56,7 +54,7 @@ from transformers.modeling_outputs import (
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .configuration_vaswani import VaswaniConfig
-from .errors import check_decoder_mask, check_mask, check_token_ids
+from .errors import check_decoder_mask, check_mask, check_token_ids, load_fitting_weights
 from .generation_vaswani import CACHE_FIELD, VaswaniGenerationMixin, decoding_cache, paper_generation_config
 from .pipeline_vaswani import CUSTOM_PIPELINES
 from .skip_padding import PaddingPlan, at_positions, scatter_positions
@@ -181,8 +179,7 @@ def scaled_dot_product_attention(
     """Attention(Q, K, V) = softmax(Q K^T / sqrt(d_k)) V (Section 3.2.1, Equation 1): the "eager" implementation.
 
     query (B, h, T, d_k), key (B, h, S, d_k), value (B, h, S, d_v); returns (B, T, h, d_v) and the weights
-    (B, h, T, S). Same signature as transformers' attention interface, which supplies the SDPA version.
-    """
+    (B, h, T, S). Same signature as transformers' attention interface, which supplies the SDPA version."""
     scores = torch.matmul(query, key.transpose(-1, -2)) * scaling  # (B, h, T, S)
     if attention_mask is not None:
         scores = scores + attention_mask
@@ -591,11 +588,16 @@ class VaswaniPreTrainedModel(PreTrainedModel):
         elif isinstance(module, VaswaniForConditionalGeneration) and module.config.final_logits_bias:
             init.zeros_(module.final_logits_bias)
 
+    @classmethod
+    def from_pretrained(cls, *args, **kwargs):
+        """`PreTrainedModel.from_pretrained`, refusing weights that do not fit the config with an error that
+        names the config fields (`errors.load_fitting_weights`)."""
+        return load_fitting_weights(super().from_pretrained, *args, **kwargs)
+
 
 class VaswaniModel(VaswaniPreTrainedModel):
-    """Encoder and decoder around one embedding matrix shared by source and target (Section 3.4).
-    With `share_encoder_decoder_embeddings=False` (converted FSMT and some OPUS-MT models) the decoder
-    owns a second table for the target vocabulary and `shared` is the source's."""
+    """Encoder and decoder around one embedding matrix shared by source and target (Section 3.4). With
+    `share_encoder_decoder_embeddings=False` (converted FSMT, some OPUS-MT) the decoder owns the target's."""
 
     _tied_weights_keys = {
         "encoder.embeddings.embed_tokens.weight": "shared.weight",
@@ -614,8 +616,7 @@ class VaswaniModel(VaswaniPreTrainedModel):
         self.post_init()
 
     def get_expanded_tied_weights_keys(self, all_submodels: bool = False) -> dict:
-        # Source and target embeddings are one matrix whatever `tie_word_embeddings` says: that flag
-        # governs only the pre-softmax projection, one level up.
+        # Source and target share one matrix whatever `tie_word_embeddings` says (that is the projection's flag).
         return dict(self._tied_weights_keys)
 
     def get_input_embeddings(self) -> nn.Embedding:
@@ -727,8 +728,7 @@ class VaswaniForConditionalGeneration(VaswaniPreTrainedModel, VaswaniGenerationM
         self.generation_config = paper_generation_config(config)
 
     def save_pretrained(self, save_directory, *args, **kwargs):
-        """`PreTrainedModel.save_pretrained`, declaring the translation pipeline in config.json
-        (`custom_pipelines`); pipeline_vaswani.py travels with the code files, as this file imports it."""
+        """`PreTrainedModel.save_pretrained`, declaring the translation pipeline in config.json (`custom_pipelines`)."""
         self.config.custom_pipelines = CUSTOM_PIPELINES
         return super().save_pretrained(save_directory, *args, **kwargs)
 
@@ -801,8 +801,7 @@ class VaswaniForConditionalGeneration(VaswaniPreTrainedModel, VaswaniGenerationM
     def logits_and_loss(
         self, hidden: torch.Tensor, labels: torch.Tensor | None, padding: PaddingPlan | None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The pre-softmax projection of the decoder output (B, T, D) -> logits (B, T, V), and the mean
-        cross-entropy over the labelled positions (-100 ignored) when there are labels."""
+        """Logits (B, T, V) of the decoder output (B, T, D), and the mean cross-entropy over labels (-100 ignored)."""
         labelled = padding.labelled if padding is not None else None
         if labelled is None:
             logits = picked = self.project(hidden)  # (B, T, V)
@@ -830,11 +829,15 @@ class VaswaniForConditionalGeneration(VaswaniPreTrainedModel, VaswaniGenerationM
         return shift_tokens_right(labels, self.config.pad_token_id, self.config.decoder_start_token_id)
 
     def _reorder_cache(self, past_key_values: EncoderDecoderCache, beam_idx: torch.LongTensor) -> EncoderDecoderCache:
-        """Beam search: reorder only the self-attention keys and values. A beam is only replaced by a beam of the
-        same source, which shares its encoder-decoder keys and values: reordering those would copy them in place."""
+        """Beam search: reorder only the self-attention keys and values (a source's beams share the rest)."""
         past_key_values.self_attention_cache.reorder_cache(beam_idx)
         return past_key_values
 
+
+if __name__ == "vaswani_tx.modeling_vaswani":  # the package's copy; transformers registers a saved folder's itself
+    for auto, model_class in ((AutoModel, VaswaniModel), (AutoModelForSeq2SeqLM, VaswaniForConditionalGeneration)):
+        auto.register(VaswaniConfig, model_class, exist_ok=True)
+        model_class.register_for_auto_class(auto.__name__)
 
 __all__ = [
     "MultiHeadAttention",

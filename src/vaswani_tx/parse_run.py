@@ -18,6 +18,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from vaswani_tx.atomic import write_text
+from vaswani_tx.checkpoints import refuse_earlier_run
 from vaswani_tx.errors import UserInputError
 from vaswani_tx.parsing import TREE_LEAVES, Tree, bracket_f1, read_treebank, write_examples, write_trees
 from vaswani_tx.recipe import set_generation_defaults, train
@@ -66,6 +68,7 @@ def run_recipe(
     num_beams: int | None = None,
     max_length: int | None = None,
     constrained: bool = True,
+    force: bool = False,
 ) -> dict[str, Any]:
     """Section 6.3 end to end: linearise the splits, train, parse the test trees, score them.
 
@@ -81,7 +84,9 @@ def run_recipe(
     ``constrained`` decodes with :class:`~vaswani_tx.tree_decoding.TreeConstraint` (see
     :func:`~vaswani_tx.tree_decoding.parse`). The target trees' leaves are ``XX`` or, with ``tree_leaves: words``
     in the config's ``generation:`` block (saved with the model), the words themselves.
-    Under several processes every process trains and process 0 alone parses and scores.
+    Under several processes every process trains and process 0 alone parses and scores. An ``output_dir``
+    holding another run's results is refused, before any file is written, unless ``force`` (see
+    :func:`~vaswani_tx.recipe.train`).
     """
     started = time.monotonic()
 
@@ -91,6 +96,7 @@ def run_recipe(
         raise UserInputError(f"run config {config}: generation: tree_leaves={leaves!r} is not one of {TREE_LEAVES}")
     if constrained:  # found now, not after hours of training: the test parse needs whole bracket tokens
         _check_constrainable(recipe, leaves, config)
+    refuse_earlier_run(recipe, arguments, force)  # before the linearised files are written
     test = read_treebank(test_trees)
     if not test:
         raise UserInputError(f"no trees in the test files {' '.join(map(str, test_trees))}")
@@ -110,7 +116,9 @@ def run_recipe(
                 logger.info("%s: %d trees -> %s, %s", name, count, source, target)
                 dev = trees if name == "dev" else dev
     callbacks = [DevBracketF1Callback(dev, constrained=constrained)] if arguments.eval_strategy != "no" else []
-    metrics = train(recipe, arguments, resume=resume, callbacks=callbacks, generation_fields=PARSER_GENERATION_FIELDS)
+    metrics = train(
+        recipe, arguments, resume=resume, callbacks=callbacks, generation_fields=PARSER_GENERATION_FIELDS, force=force
+    )
     if arguments.process_index != 0:
         return metrics
     model_dir = Path(metrics.get("averaged", arguments.output_dir))  # train() averaged the last checkpoints
@@ -135,7 +143,7 @@ def run_recipe(
     if max_length is None:
         scores["f1_40"] = bracket_f1(test, predicted, max_length=40)["f1"]
     scores["seconds"] = round(time.monotonic() - started, 1)  # this call: training, averaging and parsing
-    (output_dir / "parse_scores.json").write_text(json.dumps(scores, indent=1) + "\n", encoding="utf-8")
+    write_text(output_dir / "parse_scores.json", json.dumps(scores, indent=1) + "\n")
     return {**metrics, "parse": scores}
 
 

@@ -48,6 +48,7 @@ import re
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
+from vaswani_tx.atomic import write_text
 from vaswani_tx.metrics.vaswani_parseval.vaswani_parseval import (
     ROOT_LABELS,
     Tree,
@@ -228,8 +229,7 @@ def write_examples(
     """Write line-aligned source (words) and target (linearised tree) files; returns the number of lines."""
     sources, targets = zip(*(tree_to_example(tree, tags, words) for tree in trees)) if trees else ((), ())
     for path, lines in ((source_path, sources), (target_path, targets)):
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        Path(path).write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+        write_text(path, "".join(line + "\n" for line in lines))
     return len(trees)
 
 
@@ -247,6 +247,5 @@ def bracket_f1(
 
 
 def write_trees(trees: Iterable[Tree], path: str | os.PathLike) -> None:
-    """One tree per line (EVALB's input format)."""
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text("".join(f"{tree}\n" for tree in trees), encoding="utf-8")
+    """One tree per line (EVALB's input format), whole or not at all (`vaswani_tx.atomic.write_text`)."""
+    write_text(path, "".join(f"{tree}\n" for tree in trees))

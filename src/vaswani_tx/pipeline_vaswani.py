@@ -12,12 +12,25 @@ With the package installed the class can also be passed directly:
 `pipeline("translation", model=folder, pipeline_class=VaswaniTranslationPipeline)`, or built around a
 model object with `VaswaniTranslationPipeline(model=model, tokenizer=tokenizer)`.
 
-This file is copied next to saved weights: it imports only transformers.
+Like every command, the pipeline refuses a tokenizer that does not fit the model
+(`vocabulary.check_tokenizer_fits_model`: sizes, special ids, and the fingerprint of the tokenizer the model was
+trained or converted with, so another model's tokenizer of the same size is refused rather than decoded into
+gibberish), drops U+FEFF, U+200B and U+2060 from the text (`vocabulary.drop_format_characters`), and warns about
+an input longer than the positions the model was made for (`max_position_embeddings`).
+
+This file is copied next to saved weights: it imports only transformers and the files that travel with it.
 """
 
 from __future__ import annotations
 
+import logging
+
 from transformers import Pipeline
+
+from .errors import UserInputError
+from .vocabulary import check_tokenizer_fits_model, drop_format_characters
+
+logger = logging.getLogger(__name__)
 
 TASK = "translation"
 CUSTOM_PIPELINES = {
@@ -43,6 +56,12 @@ class VaswaniTranslationPipeline(Pipeline):
     _load_feature_extractor = False
     _pipeline_calls_generate = True
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        if self.tokenizer is None:
+            raise UserInputError("the translation pipeline needs the model's tokenizer: pass tokenizer=...")
+        check_tokenizer_fits_model(self.tokenizer, self.model.config)
+
     def _sanitize_parameters(self, truncation=None, clean_up_tokenization_spaces=None, **generate_kwargs):
         preprocess_params = {} if truncation is None else {"truncation": truncation}
         postprocess_params = {}
@@ -58,7 +77,17 @@ class VaswaniTranslationPipeline(Pipeline):
         return [result[0] for result in super().__call__(list(inputs), **kwargs)]
 
     def preprocess(self, text: str, truncation: bool = False):
-        return self.tokenizer(text, return_tensors="pt", truncation=truncation)
+        inputs = self.tokenizer(drop_format_characters(text), return_tensors="pt", truncation=truncation)
+        length, positions = inputs["input_ids"].shape[1], self.model.config.max_position_embeddings
+        if length > positions:
+            logger.warning(
+                "an input of %d tokens (%r...) is longer than the %d positions the model was made for "
+                "(max_position_embeddings): its translation may stop early; split it into sentences",
+                length,
+                text[:40],
+                positions,
+            )
+        return inputs
 
     def _forward(self, model_inputs, **generate_kwargs):
         model_inputs.pop("token_type_ids", None)

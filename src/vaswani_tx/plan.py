@@ -2,17 +2,20 @@
 
 Beside ``vaswani_tx.params`` (parameters and FLOPs of a model config): the same closed forms, scaled to a run's
 processes, token budget and steps, so a config can be checked before hours of GPU time go into it. Nothing here
-reads the training data or builds the model.
+reads the training data or builds the model, and nothing asks the machine: a config for 8 GPUs in bf16 is planned
+on a laptop (load it with ``load_run_config(..., check_device=False)``), and files a run would make or fetch
+first (a parse run's data) are listed as missing rather than stopping the plan.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from transformers import Seq2SeqTrainingArguments
 
 from vaswani_tx.params import load_model_config, training_flops
-from vaswani_tx.run_config import RecipeConfig, check_paths
+from vaswani_tx.run_config import ConfigError, RecipeConfig, missing_paths
 from vaswani_tx.text_io import iter_lines
 from vaswani_tx.training import paper_learning_rate
 
@@ -31,17 +34,23 @@ def run_plan(
     ``learning_rate * d_model^-0.5 * warmup_steps^-0.5`` (Section 5.3, equation 3); FLOPs per step are
     `vaswani_tx.params.training_flops` of that many source and target tokens at ``sentence_length``
     tokens per sentence, the mean words per line of ``dev_source`` (subwords make real sentences a little
-    longer); FLOPs of the run are that times ``max_steps``. Checkpoints: every ``save_steps`` (and every
-    ``save_minutes``), the last ``save_total_limit`` kept, ``average_last`` averaged at the end.
+    longer; while ``dev_source`` does not exist yet both are None); FLOPs of the run are that times
+    ``max_steps``. Checkpoints: every ``save_steps`` (and every ``save_minutes``), the last ``save_total_limit``
+    kept, ``average_last`` averaged at the end. ``missing``: the paths the config names that are not there
+    (key -> path); only a missing model config stops the plan (ConfigError).
     """
-    check_paths(recipe)
+    missing = missing_paths(recipe)
+    if "model_config" in missing:
+        raise ConfigError(f"model_config: {recipe.model_config} does not exist (paths are relative to {Path.cwd()})")
     config = load_model_config(recipe.model_config)
     processes = processes or max(1, arguments.world_size)
     accumulation = arguments.gradient_accumulation_steps
     tokens = processes * accumulation * recipe.max_tokens
-    lines = [len(line.split()) for line in iter_lines(recipe.dev_source) if line.strip()]
-    length = sum(lines) / len(lines) if lines else 0.0
-    flops = training_flops(config, tokens, tokens, length, length)
+    length = flops = None
+    if "dev_source" not in missing:
+        lines = [len(line.split()) for line in iter_lines(recipe.dev_source) if line.strip()]
+        length = sum(lines) / len(lines) if lines else 0.0
+        flops = training_flops(config, tokens, tokens, length, length)
     steps = arguments.max_steps if arguments.max_steps > 0 else None
     warmup = arguments.warmup_steps
     peak = arguments.learning_rate * paper_learning_rate(warmup, config.d_model, warmup) if warmup > 0 else None
@@ -55,9 +64,10 @@ def run_plan(
         "num_train_epochs": None if steps else arguments.num_train_epochs,
         "warmup_steps": warmup,
         "peak_learning_rate": peak,
-        "sentence_length": round(length, 2),
+        "sentence_length": None if length is None else round(length, 2),
         "flops_per_step": flops,
-        "flops_total": flops * steps if steps else None,
+        "flops_total": flops * steps if steps and flops is not None else None,
+        "precision": "bf16" if arguments.bf16 else "fp16" if arguments.fp16 else "float32",
         "save_strategy": save,
         "save_steps": arguments.save_steps if save == "steps" else None,
         "checkpoints": steps // int(arguments.save_steps) if steps and save == "steps" else None,
@@ -65,6 +75,7 @@ def run_plan(
         "save_total_limit": arguments.save_total_limit,
         "average_last": recipe.average_last,
         "output_dir": arguments.output_dir,
+        "missing": missing,
     }
 
 
@@ -82,7 +93,10 @@ def describe_plan(plan: dict[str, Any]) -> str:
             else ""
         ),
         f"FLOPs per step: {plan['flops_per_step']:.3e} at {plan['sentence_length']} tokens per sentence"
-        + (f"; for the run: {plan['flops_total']:.3e}" if plan["flops_total"] else ""),
+        + (f"; for the run: {plan['flops_total']:.3e}" if plan["flops_total"] else "")
+        if plan["flops_per_step"] is not None
+        else "FLOPs per step: unknown until dev_source exists (its mean sentence length sets them)",
+        f"precision: {plan['precision']}",
     ]
     if plan["save_strategy"] == "steps":
         saves = f"a checkpoint every {plan['save_steps']:,} steps" + (
@@ -97,6 +111,8 @@ def describe_plan(plan: dict[str, Any]) -> str:
     if plan["average_last"] > 1:
         saves += f"; the last {plan['average_last']} averaged into {plan['output_dir']}/averaged"
     lines.append(saves)
+    for key, path in plan["missing"].items():
+        lines.append(f"not there yet: {key} {path} (a run stops on it unless an earlier step makes it)")
     return "\n".join(lines)
 
 

@@ -18,6 +18,7 @@ from pathlib import Path
 from string import Template
 from typing import Any
 
+from .atomic import atomic_folder
 from .configuration_vaswani import VaswaniConfig
 from .errors import UserInputError
 from .paper import DEPARTURES_FROM_THE_PAPER
@@ -34,6 +35,7 @@ REQUIRED_FILES = (
     "static_decoding.py",
     "skip_padding.py",
     "errors.py",
+    "vocabulary.py",
     "tokenizer.json",
     "tokenizer_config.json",
     "README.md",
@@ -105,8 +107,10 @@ def render_model_card(
     training_data: str,
     results: Sequence[dict[str, Any]] = (),
     datasets: Sequence[str] = (),
+    space: str | None = None,
 ) -> str:
-    """The README.md text. `results` items: {"name", "score", "signature", "data"}; none means 'not measured'."""
+    """The README.md text. `results` items: {"name", "score", "signature", "data"}; none means 'not measured'.
+    `space`: the id of the Space serving the demo page (`vaswani-tx demo MODEL --write-space DIR --repo-id REPO`)."""
     config, generation = model.config, model.generation_config
     if results:
         rows = ["| data | metric | score | signature |", "| --- | --- | --- | --- |"]
@@ -148,6 +152,12 @@ def render_model_card(
         results=results_text,
         departures="\n".join(f"- {item}" for item in departures(model)),
         options=options_table(model),
+        demo=(
+            f"Try it, and see the attention of each translation by layer and head, in the Space "
+            f"[{space}](https://huggingface.co/spaces/{space}).\n"
+            if space
+            else ""
+        ),
     )
 
 
@@ -157,9 +167,10 @@ def save_for_hub(model, tokenizer, folder: str | os.PathLike, **card: Any) -> Pa
 
     check_tokenizer_fits_model(tokenizer, model.config)
     folder = Path(folder)
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    (folder / "README.md").write_text(render_model_card(model, **card), encoding="utf-8")
+    with atomic_folder(folder, merge=True) as partial:  # each file whole; what else `folder` holds (.git) stays
+        model.save_pretrained(partial)
+        tokenizer.save_pretrained(partial)
+        (partial / "README.md").write_text(render_model_card(model, **card), encoding="utf-8")
     check_hub_folder(folder)
     return folder
 

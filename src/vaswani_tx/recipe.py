@@ -31,17 +31,20 @@ from transformers import (
 )
 
 from vaswani_tx import data
+from vaswani_tx.atomic import atomic_file, atomic_folder
 from vaswani_tx.checkpoints import (
     SamplerStateCallback,
     TimedCheckpointCallback,
     average_last_checkpoints,
     check_sampler_state,
-    checkpoint_folders,
     complete_checkpoints,
+    refuse_earlier_run,
+    remove_earlier_results,
+    replaced_average,
     resume_checkpoint,
 )
 from vaswani_tx.evaluation import make_compute_metrics
-from vaswani_tx.folders import RunLock, check_writable, folder_kind
+from vaswani_tx.folders import RunLock, check_writable
 from vaswani_tx.modeling_vaswani import VaswaniForConditionalGeneration
 from vaswani_tx.params import load_model_config
 from vaswani_tx.run_config import ConfigError, RecipeConfig, check_paths
@@ -83,7 +86,8 @@ def _prepare_tokenizer(recipe: RecipeConfig, config, arguments: Seq2SeqTrainingA
             tokenizer = train_tokenizer(
                 [recipe.train_source, recipe.train_target], recipe.tokenizer_kind, vocab_size, show_progress=False
             )
-            tokenizer.save_pretrained(folder)
+            with atomic_folder(folder, merge=True) as partial:  # a run stopped here leaves no half tokenizer
+                tokenizer.save_pretrained(partial)
         tokenizer = load_tokenizer(folder)
     check_tokenizer_fits_model(tokenizer, config)
     config.tokenizer_fingerprint = vocabulary_fingerprint(tokenizer)  # saved with every checkpoint
@@ -137,7 +141,9 @@ def _prepare_data(recipe: RecipeConfig, tokenizer, arguments: Seq2SeqTrainingArg
         else:
             if recipe.wmt14:
                 source_lang, _, target_lang = recipe.wmt14.partition("-")
-                pairs = data.load_wmt14(source_lang, target_lang, "train")
+                pairs = data.load_wmt14(
+                    source_lang, target_lang, "train", local_files="train_source and train_target in the run config"
+                )
             else:
                 pairs = data.read_parallel_files(recipe.train_source, recipe.train_target)
             pairs, report = data.clean_pairs(
@@ -168,6 +174,7 @@ def train(
     resume: bool = False,
     callbacks: Sequence[TrainerCallback] = (),
     generation_fields: Sequence[str] = (),
+    force: bool = False,
 ) -> dict[str, Any]:
     """Run a recipe: tokenizer, data, model, :class:`VaswaniTrainer`; returns the final metrics.
 
@@ -177,8 +184,13 @@ def train(
     run config's ``generation:`` block may hold beyond ``GenerationConfig``'s (see
     :func:`set_generation_defaults`). With
     ``average_last`` > 1, the average of that many last complete checkpoints (Section 6.1; fewer when fewer
-    were written) in ``output_dir/averaged``, rewritten whenever `train` ends (a ``--resume`` of a finished
-    run included); the metrics give its path as ``averaged`` and the checkpoints as ``averaged_from``.
+    were written) in ``output_dir/averaged``, rebuilt whenever `train` ends (a ``--resume`` of a finished
+    run included) and put in place whole once complete: an ``averaged/`` already holding this exact average
+    stays as it is (with the scores written beside it); one of other checkpoints is replaced whole. The metrics
+    give its path as ``averaged`` and the checkpoints as ``averaged_from``.
+
+    A new run (nothing to resume) in an ``output_dir`` holding another run's results is refused unless
+    ``force`` (`refuse_earlier_run`); with ``force`` they are replaced once this run has finished.
 
     The main process holds ``output_dir``'s :class:`~vaswani_tx.folders.RunLock` throughout: a second run on
     the same folder is refused (:class:`~vaswani_tx.folders.RunLockError`, naming the holder's PID).
@@ -186,15 +198,21 @@ def train(
     check_paths(recipe)
     check_writable(arguments.output_dir)  # a read-only output_dir is found before any data is read
     if arguments.process_index != 0:
-        return _train(recipe, arguments, resume, callbacks, generation_fields)
+        return _train(recipe, arguments, resume, callbacks, generation_fields, force)
     with RunLock(arguments.output_dir) as lock:
         if lock.took_over is not None:
             logger.warning("took over the lock of a run that is gone: %s", lock.took_over)
-        metrics = _train(recipe, arguments, resume, callbacks, generation_fields)
+        earlier = refuse_earlier_run(recipe, arguments, force)
+        metrics = _train(recipe, arguments, resume, callbacks, generation_fields, force)
         if recipe.average_last > 1 and complete_checkpoints(arguments.output_dir):
+            averaged = Path(arguments.output_dir) / "averaged"
+            stat = averaged.lstat() if averaged.is_dir() else None
+            names_before = sorted(path.name for path in averaged.iterdir()) if stat else []
             averaged, chosen = average_last_checkpoints(arguments.output_dir, recipe.average_last)
+            replaced_average(averaged, stat and (stat.st_ino, stat.st_mtime_ns), names_before)
             logger.info("averaged %s into %s (average_last, Section 6.1)", ", ".join(c.name for c in chosen), averaged)
             metrics["averaged"], metrics["averaged_from"] = str(averaged), [c.name for c in chosen]
+        remove_earlier_results(arguments.output_dir, earlier)
         return metrics
 
 
@@ -204,16 +222,9 @@ def _train(
     resume: bool,
     extra_callbacks: Sequence[TrainerCallback],
     generation_fields: Sequence[str],
+    force: bool,
 ) -> dict[str, Any]:
-    kind = folder_kind(arguments.output_dir)
-    if Path(arguments.output_dir).resolve() == Path(recipe.tokenizer).resolve():
-        kind = None  # the run's own tokenizer, trained into output_dir by an earlier start of this run
-    if kind is not None and not checkpoint_folders(arguments.output_dir):
-        # a model, tokenizer or dataset folder, or a run finished without checkpoints: nothing to resume, all to lose
-        raise ConfigError(
-            f"output_dir {arguments.output_dir} already holds {kind} and no checkpoint to resume from; "
-            "give another output_dir"
-        )
+    refuse_earlier_run(recipe, arguments, force)  # every process, so that all refuse together
     checkpoint = resume_checkpoint(arguments.output_dir, resume)
     config = load_model_config(recipe.model_config)
     tokenizer = _prepare_tokenizer(recipe, config, arguments)
@@ -332,13 +343,17 @@ def _finish_from_checkpoint(trainer: VaswaniTrainer, checkpoint: str) -> dict[st
 
 
 def _save_final(trainer: VaswaniTrainer) -> None:
-    """The final model and tokenizer in ``output_dir``, with ``log_history.json`` and ``curves.png``."""
-    trainer.save_model()
-    if trainer.is_world_process_zero():
-        output_dir = Path(trainer.args.output_dir)
-        history = trainer.state.log_history
-        (output_dir / "log_history.json").write_text(json.dumps(history, indent=1) + "\n", encoding="utf-8")
-        plot_curves(history, output_dir / "curves.png")
+    """The final model and tokenizer in ``output_dir``, with ``log_history.json`` and ``curves.png``: written
+    beside it and moved in, each file whole, so a run stopped while saving leaves the earlier files."""
+    if not trainer.args.should_save:
+        trainer.save_model()  # a process that writes nothing (it may take part in gathering the weights)
+        return
+    with atomic_folder(trainer.args.output_dir, merge=True) as partial:
+        trainer.save_model(str(partial))
+        if trainer.is_world_process_zero():
+            history = trainer.state.log_history
+            (partial / "log_history.json").write_text(json.dumps(history, indent=1) + "\n", encoding="utf-8")
+            plot_curves(history, partial / "curves.png")
 
 
 # ---- curves ----
@@ -389,5 +404,6 @@ def plot_curves(log_history: Sequence[dict[str, Any]], path: str | os.PathLike) 
         axis.grid(alpha=0.3)
     figure.tight_layout()
     path = Path(path)
-    figure.savefig(path, dpi=100)
+    with atomic_file(path) as partial:
+        figure.savefig(partial, dpi=100, format=path.suffix.lstrip(".") or "png")
     return path

@@ -58,6 +58,8 @@ class RecipeConfig:
 
 
 RECIPE_FIELDS = tuple(f.name for f in fields(RecipeConfig))
+# Seq2SeqTrainingArguments fields that ask the machine (bf16 and tf32 need a GPU that has them) when constructed
+DEVICE_FIELDS = ("bf16", "fp16", "bf16_full_eval", "fp16_full_eval", "tf32")
 
 
 class ConfigError(UserInputError):
@@ -157,7 +159,10 @@ def parse_overrides(overrides: Sequence[str]) -> dict[str, Any]:
 
 
 def load_run_config(
-    path: str | os.PathLike, overrides: Sequence[str] | dict[str, Any] = (), world_size: int | None = None
+    path: str | os.PathLike,
+    overrides: Sequence[str] | dict[str, Any] = (),
+    world_size: int | None = None,
+    check_device: bool = True,
 ) -> tuple[RecipeConfig, Seq2SeqTrainingArguments]:
     """Read a YAML run config (and ``key=value`` overrides) into our fields and the Trainer's arguments.
 
@@ -165,6 +170,10 @@ def load_run_config(
     error naming it (and the closest known key). ``tokens_per_step`` sets ``gradient_accumulation_steps``
     to ``ceil(tokens_per_step / (max_tokens * world_size))``; giving both is an error.
     ``report_to: [tensorboard]`` is dropped with a warning when TensorBoard is not installed.
+
+    ``check_device=False`` reads a config for another machine (``train --dry-run``): the fields of
+    :data:`DEVICE_FIELDS` (``bf16: true`` needs a GPU with bf16, ``tf32`` an Ampere one) are set on the
+    arguments after they are built instead of being checked against this machine's devices.
     """
     path = Path(path)
     if not path.is_file():
@@ -229,24 +238,40 @@ def load_run_config(
         logger.warning("TensorBoard is not installed: training without TensorBoard logs (pip install tensorboard)")
         kept = [r for r in ([report_to] if isinstance(report_to, str) else report_to) if r != "tensorboard"]
         argument_values["report_to"] = kept or "none"
+    withheld = {} if check_device else {k: argument_values.pop(k) for k in DEVICE_FIELDS if k in argument_values}
     try:
         arguments = Seq2SeqTrainingArguments(**argument_values)
     except (TypeError, ValueError) as err:
         raise ConfigError(f"run config {path}: {err}") from err
+    for key, value in withheld.items():
+        setattr(arguments, key, value)
     return recipe, arguments
 
 
-def check_paths(recipe: RecipeConfig) -> None:
-    """Refuse a run config whose model config, dev files or training data do not exist (before any work)."""
+def missing_paths(recipe: RecipeConfig) -> dict[str, str]:
+    """The files and folders the run config names that are not there: key -> path (the model config, dev files,
+    training data; not the tokenizer, which `train` makes when missing)."""
     keys = (
         ["model_config", "dev_source", "dev_target"]
         + (["train_source", "train_target"] if recipe.train_source else [])
         + (["train_dataset"] if recipe.train_dataset else [])
     )
-    for key in keys:
-        value = getattr(recipe, key)
-        if not Path(value).exists():
-            raise ConfigError(f"{key}: {value} does not exist (paths are relative to {Path.cwd()})")
+    return {key: getattr(recipe, key) for key in keys if not Path(getattr(recipe, key)).exists()}
 
 
-__all__ = ["RECIPE_FIELDS", "ConfigError", "RecipeConfig", "check_paths", "load_run_config", "parse_overrides"]
+def check_paths(recipe: RecipeConfig) -> None:
+    """Refuse a run config whose model config, dev files or training data do not exist (before any work)."""
+    for key, value in missing_paths(recipe).items():
+        raise ConfigError(f"{key}: {value} does not exist (paths are relative to {Path.cwd()})")
+
+
+__all__ = [
+    "DEVICE_FIELDS",
+    "RECIPE_FIELDS",
+    "ConfigError",
+    "RecipeConfig",
+    "check_paths",
+    "load_run_config",
+    "missing_paths",
+    "parse_overrides",
+]

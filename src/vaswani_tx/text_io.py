@@ -2,9 +2,11 @@
 
 Lines end at ``\\n`` only, as ``wc -l`` counts them (``str.splitlines`` would also break at U+2028,
 U+0085 and friends and misalign a parallel corpus); a final ``\\n`` ends the last line rather than
-starting an empty one; a Windows ``\\r`` before the ``\\n`` is dropped; a byte-order mark is kept as
-text (U+FEFF) like any other character. Bytes that are not UTF-8 raise :class:`CorpusError` naming
-the file, the line and the byte.
+starting an empty one; a Windows ``\\r`` before the ``\\n`` is dropped; a byte-order mark at the start of
+the file (U+FEFF, as Windows editors write it) is the encoding's signature, not text, and is dropped
+(Python's ``utf-8-sig``); anywhere else U+FEFF is a character like any other, which the tokenizers drop
+(``vaswani_tx.vocabulary.drop_format_characters``). Bytes that are not UTF-8 raise :class:`CorpusError`
+naming the file, the line and the byte.
 
 Light on purpose (no ``datasets``, no torch): ``vaswani_tx.data`` reads corpora through it and
 ``vaswani_tx.evaluation`` reads hypotheses and references through it.
@@ -12,6 +14,7 @@ Light on purpose (no ``datasets``, no torch): ``vaswani_tx.data`` reads corpora 
 
 from __future__ import annotations
 
+import codecs
 import os
 from collections.abc import Iterable, Iterator
 
@@ -24,8 +27,11 @@ class CorpusError(UserInputError):
 
 def decode_lines(lines: Iterable[bytes], name: str) -> Iterator[str]:
     """Decode ``\\n``-terminated byte lines (a file or ``sys.stdin.buffer`` opened in binary mode) strictly
-    as UTF-8, without their ``\\n`` and trailing ``\\r``; ``name`` labels errors."""
+    as UTF-8, without their ``\\n`` and trailing ``\\r`` and without a byte-order mark that starts the first;
+    ``name`` labels errors."""
     for number, raw in enumerate(lines, start=1):
+        if number == 1 and raw.startswith(codecs.BOM_UTF8):
+            raw = raw[len(codecs.BOM_UTF8) :]
         try:
             line = raw.decode("utf-8")
         except UnicodeDecodeError as err:

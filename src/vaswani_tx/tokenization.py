@@ -6,13 +6,19 @@ both sides of a corpus at once and returns a transformers fast tokenizer (``PreT
 which transformers 5 implements as ``TokenizersBackend``) that ``save_pretrained`` writes and
 ``AutoTokenizer.from_pretrained(folder)`` reads back.
 
-Fixed ids, which the model config defaults agree with (checked by :func:`check_tokenizer_fits_model`):
+Fixed ids, which the model config defaults agree with (checked by :func:`check_tokenizer_fits_model`, which
+lives with the fingerprint in ``vocabulary.py``, a file that travels with saved models, and is re-exported here):
 ``<pad>`` = 0, ``<unk>`` = 1, ``<s>`` = 2 (bos, also the decoder start), ``</s>`` = 3 (eos).
 Every encoded sequence, source and ``labels`` alike, is its subword tokens followed by ``</s>``; the
 source has no ``<s>``: the model shifts ``labels`` right itself and starts the decoder with ``<s>``.
 
 Normalisation, applied before anything else and the only thing decoding does not undo:
 
+0. U+FEFF (a byte-order mark), U+200B ZERO WIDTH SPACE and U+2060 WORD JOINER are dropped wherever they
+   are (``vocabulary.FORMAT_CHARACTERS``): invisible, meaningless to a translation, and otherwise encoded
+   as byte tokens no training sentence had. Tokenizers trained before this step existed get it when
+   :func:`load_tokenizer` (or ``vaswani_tx.translation.load_translator``) loads them, and the commands and
+   the pipeline drop the characters from the text too (converted Marian and fairseq tokenizers included);
 1. Unicode NFC (a no-op on the shared WMT13 and Multi30k files; NFKC was rejected because it also
    rewrites real characters, e.g. U+00B5 MICRO SIGN in newstest2013 ``dev.fr``);
 2. every run of Unicode whitespace becomes one U+0020 space, so U+00A0 NO-BREAK SPACE (11 lines of
@@ -38,25 +44,32 @@ exact only for text whose characters it was trained on. WordPiece here marks wor
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Literal
 
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 from transformers import PreTrainedTokenizerFast
 
 from vaswani_tx.errors import UserInputError
 from vaswani_tx.text_io import iter_lines
+from vaswani_tx.vocabulary import (
+    BOS_TOKEN_ID,
+    EOS_TOKEN_ID,
+    FORMAT_CHARACTERS,
+    PAD_TOKEN_ID,
+    UNK_TOKEN_ID,
+    check_tokenizer_fits_model,
+    vocabulary_fingerprint,
+)
 
 if TYPE_CHECKING:
     import datasets
 
 PAD_TOKEN, UNK_TOKEN, BOS_TOKEN, EOS_TOKEN = "<pad>", "<unk>", "<s>", "</s>"
-SPECIAL_TOKENS = (PAD_TOKEN, UNK_TOKEN, BOS_TOKEN, EOS_TOKEN)  # list order = ids 0, 1, 2, 3
-PAD_TOKEN_ID, UNK_TOKEN_ID, BOS_TOKEN_ID, EOS_TOKEN_ID = range(4)
+SPECIAL_TOKENS = (PAD_TOKEN, UNK_TOKEN, BOS_TOKEN, EOS_TOKEN)  # list order = ids 0, 1, 2, 3 (vocabulary.py's)
 BYTE_TOKENS = tuple(f"<0x{byte:02X}>" for byte in range(256))  # the names ByteFallback decodes
 WORD_BOUNDARY = "\u2581"
 
@@ -65,10 +78,15 @@ TokenizerKind = Literal["bpe", "wordpiece", "word"]
 DEFAULT_VOCAB_SIZE: dict[str, int] = {"bpe": 37_000, "wordpiece": 32_000, "word": 32_000}
 
 
+def _format_character_removers() -> list[normalizers.Normalizer]:
+    return [normalizers.Replace(character, "") for character in FORMAT_CHARACTERS]
+
+
 def build_normalizer() -> normalizers.Normalizer:
     """The normalisation described in the module docstring, as a `tokenizers` normalizer."""
     return normalizers.Sequence(
         [
+            *_format_character_removers(),
             normalizers.NFC(),
             normalizers.Replace(WORD_BOUNDARY, " "),
             normalizers.Replace(Regex(r"\s+"), " "),
@@ -241,95 +259,58 @@ def wrap_tokenizer(tokenizer: Tokenizer) -> PreTrainedTokenizerFast:
     )
 
 
-def vocabulary_fingerprint(tokenizer: Any) -> str:
-    """A short hash of the tokenizer's vocabulary (every token and its id; the target vocabulary too where a
-    tokenizer has its own, as Marian's and fairseq's do).
-
-    Two tokenizers of the same size trained on other text give other fingerprints, which the vocabulary size
-    alone cannot tell: a model trained with one and run with the other decodes garbage without an error.
-    `train()`, `vaswani-tx convert` and `prepare-data` record it (config's ``tokenizer_fingerprint``, the
-    prepared data's ``vaswani_data.json``) and `check_tokenizer_fits_model` compares it."""
-    digest = hashlib.sha256(json.dumps(sorted(tokenizer.get_vocab().items()), ensure_ascii=False).encode("utf-8"))
-    target = getattr(tokenizer, "target_encoder", None)
-    if target and target != tokenizer.get_vocab():
-        digest.update(json.dumps(sorted(target.items()), ensure_ascii=False).encode("utf-8"))
-    return "sha256:" + digest.hexdigest()[:16]
-
-
-def check_tokenizer_fits_model(tokenizer: Any, config: Any) -> None:
-    """Refuse a tokenizer and a model config that were not made for each other.
-
-    The one check wherever the two meet: training, fine-tuning, publishing, loading a model to
-    translate. ``config`` is any object with ``vocab_size``, ``pad_token_id``, ``bos_token_id``,
-    ``eos_token_id`` and ``decoder_start_token_id`` (such as ``VaswaniConfig``). It must agree with the
-    tokenizer on:
-
-    * ``vocab_size``, which must be ``len(tokenizer)``: a larger tokenizer's last ids would index past
-      the embedding, and a larger embedding has rows no token reaches (a config written for another
-      vocabulary);
-    * ``pad_token_id``, ``bos_token_id``, ``eos_token_id``, and ``unk_token_id`` when the config has
-      one: with another ``</s>`` decoding never stops where it should;
-    * ``decoder_start_token_id``: ``<s>`` for a vocabulary with this module's fixed ids (the model
-      shifts ``labels`` right behind it); a converted model keeps its source's start token, which
-      must be one of the tokenizer's ``<s>``, ``</s>`` or ``<pad>`` (fairseq and FSMT start from
-      ``</s>``; Marian vocabularies have no ``<s>`` and start from ``<pad>``);
-    * ``tokenizer_fingerprint``, where the config records one (models trained by `train()` or converted):
-      the `vocabulary_fingerprint` of the tokenizer the model was made with, so that a tokenizer of
-      another model of the same size is refused too.
-
-    Raises:
-        UserInputError: ``model config and tokenizer disagree; ...`` naming every field that differs,
-            with both values.
-    """
-    clashes = []
-    size, rows = len(tokenizer), getattr(config, "vocab_size", None)
-    if rows != size:
-        why = ""
-        if isinstance(rows, int):
-            why = (
-                f" (its last {size - rows} ids would index past the embedding)"
-                if size > rows
-                else f" ({rows - size} embedding rows no token reaches)"
-            )
-        clashes.append(f"vocab_size: config has {rows}, tokenizer has {size}{why}")
-    fields = ["pad_token_id", "bos_token_id", "eos_token_id"]
-    if getattr(config, "unk_token_id", None) is not None:
-        fields.append("unk_token_id")
-    for field in fields:
-        config_value, tokenizer_value = getattr(config, field, None), getattr(tokenizer, field)
-        if config_value != tokenizer_value:
-            clashes.append(f"{field}: config has {config_value}, tokenizer has {tokenizer_value}")
-    start = getattr(config, "decoder_start_token_id", None)
-    specials = {"bos": tokenizer.bos_token_id, "eos": tokenizer.eos_token_id, "pad": tokenizer.pad_token_id}
-    fixed = (tokenizer.pad_token_id, tokenizer.unk_token_id, tokenizer.bos_token_id, tokenizer.eos_token_id) == (
-        PAD_TOKEN_ID,
-        UNK_TOKEN_ID,
-        BOS_TOKEN_ID,
-        EOS_TOKEN_ID,
-    )
-    if fixed and start != BOS_TOKEN_ID:
-        clashes.append(f"decoder_start_token_id: config has {start}, tokenizer has {BOS_TOKEN_ID}")
-    elif not fixed and (start is None or start not in specials.values()):
-        named = ", ".join(f"{name} {value}" for name, value in specials.items() if value is not None)
-        clashes.append(f"decoder_start_token_id: config has {start}, which is none of the tokenizer's {named}")
-    recorded = getattr(config, "tokenizer_fingerprint", None)
-    fingerprint = vocabulary_fingerprint(tokenizer) if recorded and not clashes else recorded
-    if fingerprint != recorded:
-        clashes.append(
-            f"tokenizer_fingerprint: config has {recorded}, tokenizer has {fingerprint} "
-            "(a vocabulary of the same size but other tokens: the tokenizer of another model)"
-        )
-    if clashes:
-        raise UserInputError("model config and tokenizer disagree; " + "; ".join(clashes))
+def drop_format_characters_in(tokenizer):
+    """Make a fast tokenizer drop U+FEFF, U+200B and U+2060 before its own normalisation (step 0 of the module
+    docstring), in place, and return it: tokenizers trained before that step was part of `build_normalizer`, and
+    those of other libraries, get it on loading (and keep it when saved again). A slow tokenizer (Marian's
+    SentencePiece, `FairseqTokenizer`) is returned as it is: the commands and the pipeline drop the characters
+    from the text before it sees them."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return tokenizer
+    current = backend.normalizer
+    if current is not None and current.normalize_str("".join(FORMAT_CHARACTERS)) == "":
+        return tokenizer
+    backend.normalizer = normalizers.Sequence([*_format_character_removers(), *([current] if current else [])])
+    return tokenizer
 
 
 def load_tokenizer(folder: str | os.PathLike) -> PreTrainedTokenizerFast:
-    """Load a tokenizer saved by ``save_pretrained`` (``AutoTokenizer`` with a clear error for a wrong folder)."""
+    """Load a tokenizer saved by ``save_pretrained`` (``AutoTokenizer`` with a clear error for a wrong folder),
+    dropping the format characters of step 0 (`drop_format_characters_in`)."""
     from transformers import AutoTokenizer
+
+    import vaswani_tx.tokenization_fairseq  # noqa: F401  (registers FairseqTokenizer with AutoTokenizer)
 
     if not (Path(folder) / "tokenizer.json").is_file():
         raise FileNotFoundError(f"{folder} holds no tokenizer.json; create one with `vaswani-tx train-tokenizer`")
     try:
-        return AutoTokenizer.from_pretrained(folder)
+        tokenizer = AutoTokenizer.from_pretrained(folder)
     except Exception as err:  # a tokenizer.json tokenizers cannot read is a bare Exception, bad JSON a ValueError
         raise UserInputError(f"{folder} holds no tokenizer that AutoTokenizer can load ({err})") from err
+    return drop_format_characters_in(tokenizer)
+
+
+__all__ = [
+    "BOS_TOKEN",
+    "BOS_TOKEN_ID",
+    "BYTE_TOKENS",
+    "DEFAULT_VOCAB_SIZE",
+    "EOS_TOKEN",
+    "EOS_TOKEN_ID",
+    "PAD_TOKEN",
+    "PAD_TOKEN_ID",
+    "SPECIAL_TOKENS",
+    "UNK_TOKEN",
+    "UNK_TOKEN_ID",
+    "WORD_BOUNDARY",
+    "TokenizerKind",
+    "build_normalizer",
+    "check_tokenizer_fits_model",
+    "drop_format_characters_in",
+    "load_tokenizer",
+    "normalize",
+    "train_tokenizer",
+    "vocabulary_fingerprint",
+    "wrap_tokenizer",
+]

@@ -11,6 +11,11 @@ The library side of ``vaswani-tx translate`` and ``vaswani-tx evaluate``:
   overridden. Lines are batched by a token budget in length order, as Marian and fairseq do, so
   little compute goes to padding, and come back in input order. Empty lines stay empty (the model
   never sees them) and every output is one line: the count and order of lines never change.
+  U+FEFF, U+200B and U+2060 are dropped from each line first (``vocabulary.drop_format_characters``,
+  for every tokenizer, converted ones and those trained before their normalizer dropped them), and a
+  line longer than the positions the model was made for (``max_position_embeddings``) is reported
+  with its number: learned positions cannot take it (an error), sinusoids can, but a model that never
+  saw such lengths may stop its translation early (a warning).
 * ``read_text(path)`` (``vaswani_tx.evaluation``'s) reads a file or standard input as the ``sacrebleu`` command does (lines end at
   ``\\n`` only; non-UTF-8 input is refused naming the line).
 
@@ -20,6 +25,7 @@ This module imports the model, not the training code.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import sys
@@ -30,10 +36,14 @@ from typing import Any
 
 import torch
 
+from vaswani_tx.atomic import write_text
 from vaswani_tx.checkpoints import check_safetensors
 from vaswani_tx.errors import UserInputError
 from vaswani_tx.evaluation import read_text
-from vaswani_tx.tokenization import check_tokenizer_fits_model
+from vaswani_tx.tokenization import check_tokenizer_fits_model, drop_format_characters_in
+from vaswani_tx.vocabulary import drop_format_characters
+
+logger = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
@@ -168,6 +178,7 @@ class Translator:
         if length_penalty is not None:
             generate_kwargs["length_penalty"] = length_penalty
         outputs = [""] * len(lines)
+        lines = [drop_format_characters(line) for line in lines]
         todo = [i for i, line in enumerate(lines) if line.strip()]
         if not todo:  # nothing but empty or blank lines: as many empty lines out
             return outputs
@@ -196,15 +207,25 @@ class Translator:
         return outputs
 
     def _check_lengths(self, todo: list[int], encoded: list[list[int]]) -> None:
+        """Refuse (learned positions) or report (sinusoids) a line longer than the model's positions."""
         config = self.model.config
-        if getattr(config, "position_encoding", "sinusoidal") != "learned":
-            return  # sinusoids extend to any length (Section 3.5)
+        positions = config.max_position_embeddings
         for index, ids in zip(todo, encoded):
-            if len(ids) > config.max_position_embeddings:
+            if len(ids) <= positions:
+                continue
+            if getattr(config, "position_encoding", "sinusoidal") == "learned":
                 raise UserInputError(
                     f"line {index + 1} is {len(ids)} tokens long, more than this model's learned positions "
-                    f"allow (max_position_embeddings={config.max_position_embeddings}): split or shorten it"
+                    f"allow (max_position_embeddings={positions}): split or shorten it"
                 )
+            # sinusoids extend to any length (Section 3.5), but the model never trained on such lengths
+            logger.warning(
+                "line %d is %d tokens long, more than the %d positions the model was made for "
+                "(max_position_embeddings): its translation may stop early; split it into sentences",
+                index + 1,
+                len(ids),
+                positions,
+            )
 
 
 def load_translator(
@@ -226,11 +247,12 @@ def load_translator(
     from transformers import AutoTokenizer
 
     from vaswani_tx.modeling_vaswani import VaswaniForConditionalGeneration
+    from vaswani_tx.tokenization_fairseq import FairseqTokenizer  # noqa: F401  (registered with AutoTokenizer)
 
     folder = Path(folder)
     check_model_folder(folder)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(folder)
+        tokenizer = drop_format_characters_in(AutoTokenizer.from_pretrained(folder))
     except (OSError, ValueError, TypeError) as err:  # transformers' words for tokenizer files it cannot read
         raise UserInputError(
             f"{folder} holds no tokenizer that AutoTokenizer can load ({err}); save the tokenizer next to "
@@ -263,18 +285,14 @@ def translate(
 
 
 def write_lines(lines: Iterable[str], path: str | os.PathLike | None) -> None:
-    """Write one line each to a file (through a temporary file, so an interrupted run leaves no half
-    output behind) or to standard output for ``None`` or ``"-"``."""
+    """Write one line each to a file, whole or not at all (`vaswani_tx.atomic.write_text`: a failed or
+    interrupted run leaves what the file held before), or to standard output for ``None`` or ``"-"``."""
     text = "".join(f"{line}\n" for line in lines)
     if path is None or str(path) == "-":
         sys.stdout.write(text)
         sys.stdout.flush()
         return
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(path.name + ".partial")
-    partial.write_text(text, encoding="utf-8")
-    partial.replace(path)
+    write_text(path, text)
 
 
 __all__ = [

@@ -26,6 +26,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "translate": ("translate", "translate sentences, a file or standard input with a trained model"),
     "evaluate": ("evaluate", "translate a test set and score it (sacreBLEU with signature, chrF, tokenized BLEU)"),
     "attention": ("attention", "draw attention maps per layer and head as PNG (the paper's Figures 3-5)"),
+    "demo": ("demo", "serve a Gradio page: translate and see the attention, per layer and head; or write a Space"),
     "train-tokenizer": ("train_tokenizer", "learn a shared BPE or WordPiece vocabulary from parallel text"),
     "prepare-data": ("prepare_data", "clean and encode a parallel corpus into a dataset ready for training"),
     "convert": ("convert", "convert a MarianMT (OPUS-MT), FSMT or fairseq Transformer into a vaswani_tx model folder"),
@@ -95,7 +96,8 @@ def describe_os_error(error: OSError) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """Run one command; its exit status: 0 done, 1 a bug (an exception no check foresaw), 2 bad input or a
-    file the command could not use, 130 interrupted.
+    file the command could not use, 130 interrupted (Ctrl-C), 143 stopped by SIGTERM (every file being written
+    is removed and what was there before stays, as for Ctrl-C: `vaswani_tx.atomic`).
 
     `UserInputError` is the package's one family for input a user can fix. `OSError` is caught with it: a
     missing or unreadable file, a full disk or a refused permission is the user's environment, not a bug, and
@@ -110,13 +112,18 @@ def main(argv: list[str] | None = None) -> int:
         setattr(args, dest, [*getattr(args, dest), *extra])
     elif extra:  # as the command's own usage error: `vaswani-tx COMMAND: error: ...`, status 2
         args._parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    from vaswani_tx.atomic import sigterm_as_interrupt
+
+    stopped: list[int] = []  # SIGTERM raises KeyboardInterrupt, so clean-ups run as for Ctrl-C; exit 128 + 15
     try:
-        return int(args._run(args) or 0)
+        with sigterm_as_interrupt(stopped):
+            status = int(args._run(args) or 0)
+        return 128 + stopped[0] if stopped and status == 130 else status
     except KeyboardInterrupt:  # commands that save work say themselves what was saved
         if args.debug:
             raise
         print(f"vaswani-tx {args.command}: interrupted", file=sys.stderr)
-        return 130
+        return 128 + stopped[0] if stopped else 130
     except UserInputError as error:
         return fail(args.command, error)
     except OSError as error:

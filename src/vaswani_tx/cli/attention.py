@@ -21,7 +21,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--translation", "--target", dest="target", help="its translation (text; default: the model's own)"
     )
-    parser.add_argument("-o", "--output-dir", required=True, help="folder for the PNG files")
+    parser.add_argument("-o", "--output-dir", required=True, metavar="DIR", help="folder for the PNG files")
     parser.add_argument(
         "--kinds",
         nargs="+",
@@ -30,12 +30,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="which attention to draw (default: all)",
     )
     parser.add_argument("--layers", nargs="+", type=int, help="1-based layer numbers to draw (default: all)")
+    parser.add_argument("--force", action="store_true", help="replace PNG files of the same names in --output-dir")
 
 
 def run(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from vaswani_tx.atomic import atomic_folder
     from vaswani_tx.attention_maps import plot_attention_maps
     from vaswani_tx.errors import UserInputError
-    from vaswani_tx.folders import check_writable
+    from vaswani_tx.folders import check_writable, refuse_to_replace
     from vaswani_tx.translation import load_translator
 
     layers = None if args.layers is None else [n - 1 for n in args.layers]
@@ -52,15 +56,20 @@ def run(args: argparse.Namespace) -> int:
             raise UserInputError(
                 f"--layers {' '.join(map(str, wrong))}: the {stack} stack has {count} layers, numbered 1 to {count}"
             )
-    paths = plot_attention_maps(
-        translator.model,
-        translator.tokenizer,
-        args.source,
-        args.output_dir,
-        target=args.target,
-        kinds=args.kinds,
-        layers=layers,
-    )
+    # drawn beside the folder, then moved in (each file whole; the folder's other files stay): an interrupted
+    # run leaves the maps an earlier run drew, and existing maps are refused without --force
+    with atomic_folder(args.output_dir, merge=True) as partial:
+        drawn = plot_attention_maps(
+            translator.model,
+            translator.tokenizer,
+            args.source,
+            partial,
+            target=args.target,
+            kinds=args.kinds,
+            layers=layers,
+        )
+        paths = [Path(args.output_dir) / path.name for path in drawn]
+        refuse_to_replace(paths, args.force)
     for path in paths:
         print(path)
     return 0

@@ -35,9 +35,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "-o",
         "--output-dir",
         required=True,
+        metavar="DIR",
         help="folder to write the averaged model to (refused if it exists and is not empty)",
     )
-    parser.add_argument("--force", action="store_true", help="write into a non-empty output folder")
+    parser.add_argument(
+        "--force", action="store_true", help="replace a non-empty output folder (whole, once the new one is written)"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -54,8 +57,8 @@ def run(args: argparse.Namespace) -> int:
 
     if args.last < 1:
         return fail("average-checkpoints", f"--last must be >= 1, got {args.last}")
-    refuse_to_overwrite(args.output_dir, args.force)
-    check_writable(args.output_dir)
+    refuse_to_overwrite(args.output_dir, args.force, inputs=args.paths)
+    check_writable(args.output_dir, "whole-dir")
     # a run folder holds checkpoint-<step> folders (and, once finished, its final model too)
     if len(args.paths) > 1:
         for path in args.paths:

@@ -24,16 +24,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.add_argument("source", help="MarianMTModel or FSMT folder, or a fairseq checkpoint (file or its folder)")
     add_output_dir_argument(parser, "output model folder (refused if it exists and is not empty)")
-    parser.add_argument("--force", action="store_true", help="write into a non-empty output folder")
+    parser.add_argument(
+        "--force", action="store_true", help="replace a non-empty output folder (whole, once the new one is written)"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     from vaswani_tx.folders import refuse_to_overwrite
 
     out = output_dir(args)
-    refuse_to_overwrite(out, args.force)
-    from vaswani_tx.convert import convert
+    refuse_to_overwrite(out, args.force, inputs=[args.source])
+    from vaswani_tx.convert import convert, describe_decoding
 
     out = convert(args.source, out)
     print(f"converted {args.source} -> {out}")
+    print(describe_decoding(out))
     return 0

@@ -1,6 +1,7 @@
 """Translate a test set with a saved model and score it: sacreBLEU and chrF with their signatures, and
 the paper's tokenized BLEU (Section 6.1), each labelled: the two BLEUs count different tokens and are
-not comparable. Hypotheses and all scores are saved (DIR/NAME.hyp.LANG, DIR/NAME.scores.json).
+not comparable. Hypotheses and all scores are saved (DIR/NAME.hyp.LANG, DIR/NAME.scores.json); existing
+ones are refused before decoding, or with --force replaced once both new files are complete.
 
 The test set is a pair of line-aligned files (several --reference files for several references each)
 or WMT14 from the Hugging Face Hub as `datasets` loads it (newstest2014 is split `test`, newstest2013
@@ -66,6 +67,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--name", help="test set name in file names (default: the source file's stem, or newstest2014/2013)"
     )
+    parser.add_argument(
+        "--force", action="store_true", help="replace existing hypotheses and scores of this name (once both are done)"
+    )
     add_decoding_arguments(parser)
 
 
@@ -80,7 +84,12 @@ def _test_set(args: argparse.Namespace) -> tuple[str, str, list[str], list[list[
         from vaswani_tx.data import load_wmt14
 
         source_lang, _, target_lang = args.wmt14.partition("-")
-        data = load_wmt14(source_lang, target_lang, split=args.split)
+        data = load_wmt14(
+            source_lang,
+            target_lang,
+            split=args.split,
+            local_files="-s/--source and -r/--reference files (the test set as plain text, one sentence a line)",
+        )
         name = {"test": "newstest2014", "validation": "newstest2013"}[args.split]
         return name, args.target_lang or target_lang, list(data["source"]), [[t] for t in data["target"]]
     if not args.reference:
@@ -95,10 +104,11 @@ def _test_set(args: argparse.Namespace) -> tuple[str, str, list[str], list[list[
 
 
 def run(args: argparse.Namespace) -> int:
+    from vaswani_tx.atomic import atomic_file
     from vaswani_tx.errors import UserInputError
     from vaswani_tx.evaluation import score
-    from vaswani_tx.folders import check_writable
-    from vaswani_tx.translation import load_translator, write_lines
+    from vaswani_tx.folders import check_writable, refuse_to_replace
+    from vaswani_tx.translation import load_translator
 
     problem = check_decoding_arguments(args)
     if problem:
@@ -109,24 +119,35 @@ def run(args: argparse.Namespace) -> int:
         raise UserInputError("the test set is empty")
     if not any(line.strip() for line in sources):
         raise UserInputError(f"the test set's {len(sources)} source lines are all blank: nothing to translate")
+    output_dir = Path(args.output_dir)
+    if not output_dir.is_dir() and (".hyp" in output_dir.name or output_dir.suffix == f".{target_lang}"):
+        raise UserInputError(
+            f"-o/--output-dir is the folder evaluate writes NAME.hyp.{target_lang} and NAME.scores.json into, and "
+            f"{output_dir} looks like a file name: give a folder (-o eval), or write one file of translations "
+            f"with `vaswani-tx translate MODEL -i SOURCE -o {output_dir}`"
+        )
+    hypothesis_file = output_dir / f"{name}.hyp.{target_lang}"
+    scores_file = output_dir / f"{name}.scores.json"
+    refuse_to_replace([hypothesis_file, scores_file], args.force)
     translator = load_translator(args.model, device=args.device, dtype=args.dtype, int8=args.int8)
+    options = decoding_options(args)
     start = time.perf_counter()
-    hypotheses = translator.translate(sources, **decoding_options(args))
+    hypotheses = translator.translate(sources, **options)
     seconds = time.perf_counter() - start
     results = score(hypotheses, references, target_lang, args.compound_splitting)
 
-    output_dir = Path(args.output_dir)
-    hypothesis_file = output_dir / f"{name}.hyp.{target_lang}"
-    write_lines(hypotheses, hypothesis_file)
     generation = translator.model.generation_config
+    beams = options["num_beams"] or generation.num_beams
+    greedy = beams == 1  # greedy search has no length penalty: none is recorded
+    alpha = options["length_penalty"] if options["length_penalty"] is not None else generation.length_penalty
     settings = {
         "model": str(args.model),
         "test_set": name,
         "sentences": len(sources),
         "target_lang": target_lang,
-        "num_beams": args.num_beams or generation.num_beams,
-        "length_penalty": args.length_penalty if args.length_penalty is not None else generation.length_penalty,
-        "length_penalty_type": getattr(generation, "length_penalty_type", "hf"),
+        "num_beams": beams,
+        "length_penalty": None if greedy else alpha,
+        "length_penalty_type": None if greedy else getattr(generation, "length_penalty_type", "hf"),
         "max_output_length_offset": args.max_length_offset
         if args.max_length_offset is not None
         else getattr(generation, "max_output_length_offset", None),
@@ -137,11 +158,16 @@ def run(args: argparse.Namespace) -> int:
         "decoding_seconds": round(seconds, 2),
         "hypotheses": str(hypothesis_file),
     }
-    scores_file = output_dir / f"{name}.scores.json"
-    scores_file.write_text(json.dumps({**settings, **results}, indent=1, default=float) + "\n", encoding="utf-8")
+    # both written in full before either replaces anything: a full disk or a Ctrl-C leaves the earlier pair
+    with atomic_file(hypothesis_file) as hypotheses_partial, atomic_file(scores_file) as scores_partial:
+        hypotheses_partial.write_text("".join(f"{line}\n" for line in hypotheses), encoding="utf-8")
+        scores_partial.write_text(
+            json.dumps({**settings, **results}, indent=1, default=float) + "\n", encoding="utf-8"
+        )
     print(
-        f"{name}: {len(sources)} sentences, {settings['num_beams']} beams, alpha {settings['length_penalty']}, "
-        f"{seconds:.1f} s"
+        f"{name}: {len(sources)} sentences, "
+        + ("greedy (1 beam, no length penalty)" if greedy else f"{beams} beams, alpha {alpha}")
+        + f", {seconds:.1f} s"
     )
     print(f"sacreBLEU      {results['sacrebleu']:6.2f}  {results['sacrebleu_signature']}")
     print(f"chrF           {results['chrf']:6.2f}  {results['chrf_signature']}")

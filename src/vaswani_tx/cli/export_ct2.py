@@ -1,8 +1,10 @@
 """Convert a saved model folder to CTranslate2, for fast CPU serving (needs the extra: pip install 'vaswani_tx[ct2]').
 
-The output folder holds CTranslate2's model.bin, the shared vocabulary and vaswani_decoding.json
-(the paper's beam 4 and length penalty 0.6 as translate_batch options). Feed CTranslate2 the tokens
-of our tokenizer, </s> included: tokenizer.convert_ids_to_tokens(tokenizer(text).input_ids).
+The output folder holds CTranslate2's model.bin, the shared vocabulary and vaswani_decoding.json: the
+model's own decoding settings (its generation config's beam size, length penalty alpha and source-length
+offset) as translate_batch options. CTranslate2 applies the length penalty as |Y|^alpha, not in the GNMT
+form, and one max_decoding_length per batch. Feed CTranslate2 the tokens of our tokenizer, </s> included:
+tokenizer.convert_ids_to_tokens(tokenizer(text).input_ids).
 
 examples:
   vaswani-tx export-ct2 runs/multi30k-en-de/averaged ct2-multi30k
@@ -28,7 +30,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="CTranslate2 weight quantization (default: none, float32)",
     )
-    parser.add_argument("--force", action="store_true", help="overwrite a non-empty output folder")
+    parser.add_argument(
+        "--force", action="store_true", help="replace a non-empty output folder (whole, once the new one is written)"
+    )
 
 
 def run(args: argparse.Namespace) -> int:

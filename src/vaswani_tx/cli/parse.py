@@ -60,6 +60,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     run_parser.add_argument("--resume", action="store_true", help="continue from the last checkpoint in output_dir")
     run_parser.add_argument(
+        "--force",
+        action="store_true",
+        help="start a new run in an output_dir holding another run's results (see train)",
+    )
+    run_parser.add_argument(
         "--num-beams", type=int, help="beam size for the test set (default: the model's generation config)"
     )
     run_parser.add_argument("--max-length", type=int, help="score only test sentences of at most this many words")
@@ -72,7 +77,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     source.add_argument(
         "--trees", nargs="+", metavar="TREES", help="treebank files or globs: parse their sentences and score"
     )
-    predict.add_argument("-o", "--output", help="write the trees here, one per line (default: print them)")
+    predict.add_argument(
+        "-o", "--output", metavar="FILE", help="write the trees here, one per line (default: print them)"
+    )
+    predict.add_argument(
+        "--force", action="store_true", help="replace an existing --output file (once all are parsed)"
+    )
     predict.add_argument("--num-beams", type=int, help="beam size (default: the model's generation config)")
     predict.add_argument("--batch-size", type=int, default=32, help="sentences per generate() call (default 32)")
     predict.add_argument("--unconstrained", action="store_true", help=UNCONSTRAINED_HELP)
@@ -130,6 +140,7 @@ def run(args: argparse.Namespace) -> int:
                 args.test,
                 args.overrides,
                 resume=args.resume,
+                force=args.force,
                 num_beams=args.num_beams,
                 max_length=args.max_length,
                 constrained=not args.unconstrained,
@@ -149,9 +160,10 @@ def run(args: argparse.Namespace) -> int:
     elif args.action == "predict":
         gold = parsing.read_treebank(args.trees) if args.trees else None
         if args.output:
-            from vaswani_tx.folders import check_writable
+            from vaswani_tx.folders import check_writable, refuse_to_replace
 
             check_writable(args.output, "file")
+            refuse_to_replace([args.output], args.force)
         if gold:
             sentences = [tree.words() for tree in gold]
         elif args.sentences == "-":

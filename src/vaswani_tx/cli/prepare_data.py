@@ -1,7 +1,7 @@
 """Read a parallel corpus, clean it, encode it with a trained tokenizer and save it for training.
 
 Section 5.1 of the paper: WMT 2014 English-German / English-French sentence pairs, encoded with a
-shared subword vocabulary. Give ONE input: two line-aligned files (--source-file/--target-file, line
+shared subword vocabulary. Give ONE input: two line-aligned files (--source/--target, line
 i of one translates line i of the other), a TSV file (source<TAB>target per line), a JSONL file, or
 --wmt14 to download WMT14 from the Hugging Face Hub. The cleaning rules and how many pairs each one
 removed are printed. The result (columns input_ids, attention_mask, labels, each ending in </s>) is
@@ -9,7 +9,7 @@ written with `datasets`' save_to_disk; read it back with `datasets.load_from_dis
 Tokenisation is cached: running the same command again reuses the cached encoding.
 
 examples:
-  vaswani-tx prepare-data --source-file train.en --target-file train.de --tokenizer tok-ende --output-dir data-ende
+  vaswani-tx prepare-data --source train.en --target train.de --tokenizer tok-ende --output-dir data-ende
   vaswani-tx prepare-data --tsv pairs.tsv --tokenizer tok-ende --output-dir data-ende --max-tokens 4096
   vaswani-tx prepare-data --wmt14 en-de --split validation --tokenizer tok-ende --output-dir newstest2013
 """
@@ -27,10 +27,18 @@ from vaswani_tx.cli import fail
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     source = parser.add_argument_group("input (give exactly one)")
-    source.add_argument("--source-file", help="source-language text, one sentence per line (needs --target-file)")
-    source.add_argument("--target-file", help="target-language text, line-aligned with --source-file")
-    source.add_argument("--tsv", help="file with one 'source<TAB>target' pair per line")
-    source.add_argument("--jsonl", help='file with one {"source": ..., "target": ...} object per line')
+    source.add_argument(
+        "--source",
+        "--source-file",
+        dest="source_file",
+        metavar="FILE",
+        help="source-language text, one sentence per line (needs --target)",
+    )
+    source.add_argument(
+        "--target", "--target-file", dest="target_file", metavar="FILE", help="target-language text, line-aligned"
+    )
+    source.add_argument("--tsv", metavar="FILE", help="file with one 'source<TAB>target' pair per line")
+    source.add_argument("--jsonl", metavar="FILE", help='file with one {"source": ..., "target": ...} object per line')
     source.add_argument(
         "--wmt14", metavar="SRC-TGT", help="WMT14 from the Hugging Face Hub: en-de, de-en, en-fr or fr-en"
     )
@@ -44,14 +52,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--target-key", default="target", help="with --jsonl: field holding the target text (default target)"
     )
 
-    parser.add_argument("--tokenizer", required=True, help="folder written by `vaswani-tx train-tokenizer`")
+    parser.add_argument(
+        "--tokenizer", required=True, metavar="DIR", help="folder written by `vaswani-tx train-tokenizer`"
+    )
     parser.add_argument(
         "-o",
         "--output-dir",
         required=True,
+        metavar="DIR",
         help="folder to save the encoded dataset to (refused if it exists and is not empty)",
     )
-    parser.add_argument("--force", action="store_true", help="write into a non-empty output folder")
+    parser.add_argument(
+        "--force", action="store_true", help="replace a non-empty output folder (whole, once the new one is written)"
+    )
 
     cleaning = parser.add_argument_group("cleaning (words = whitespace-separated)")
     cleaning.add_argument(
@@ -94,7 +107,14 @@ def _load(args: argparse.Namespace):
             args.jsonl, source_key=args.source_key, target_key=args.target_key, cache_dir=args.cache_dir
         )
     source_lang, _, target_lang = args.wmt14.partition("-")
-    return data.load_wmt14(source_lang, target_lang, args.split, cache_dir=args.cache_dir, num_proc=args.num_proc)
+    return data.load_wmt14(
+        source_lang,
+        target_lang,
+        args.split,
+        cache_dir=args.cache_dir,
+        num_proc=args.num_proc,
+        local_files="--source with --target, --tsv or --jsonl",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -103,9 +123,8 @@ def run(args: argparse.Namespace) -> int:
 
     given = [name for name in ("source_file", "tsv", "jsonl", "wmt14") if getattr(args, name)]
     if len(given) != 1 or bool(args.source_file) != bool(args.target_file):
-        return fail(
-            "prepare-data", "give exactly one input: --source-file with --target-file, --tsv, --jsonl or --wmt14"
-        )
+        return fail("prepare-data", "give exactly one input: --source with --target, --tsv, --jsonl or --wmt14")
+    from vaswani_tx.atomic import atomic_folder
     from vaswani_tx.folders import check_writable, refuse_to_overwrite
 
     for option in ("max_tokens", "num_proc"):
@@ -118,8 +137,9 @@ def run(args: argparse.Namespace) -> int:
     for path in (args.source_file, args.target_file, args.tsv, args.jsonl):
         if path and os.path.isdir(path):
             raise IsADirectoryError(f"corpus file {path} is a folder; give a text file")
-    refuse_to_overwrite(args.output_dir, args.force)
-    check_writable(args.output_dir)
+    inputs = [path for path in (args.source_file, args.target_file, args.tsv, args.jsonl, args.tokenizer) if path]
+    refuse_to_overwrite(args.output_dir, args.force, inputs=inputs)
+    check_writable(args.output_dir, "whole-dir")
     tokenizer = load_tokenizer(args.tokenizer)
     pairs, report = data.clean_pairs(
         _load(args),
@@ -141,13 +161,12 @@ def run(args: argparse.Namespace) -> int:
         print(
             f"max_tokens={args.max_tokens}: {len(sampler)} batches; {sampler.num_oversized} pairs too long for the budget"
         )
-    encoded.save_to_disk(args.output_dir)
     record = {
         "tokenizer": str(Path(args.tokenizer).resolve()),
         "tokenizer_fingerprint": vocabulary_fingerprint(tokenizer),
     }
-    (Path(args.output_dir) / data.PREPARED_DATA_RECORD).write_text(
-        json.dumps(record, indent=2) + "\n", encoding="utf-8"
-    )
+    with atomic_folder(args.output_dir) as partial:  # takes the place of the output folder whole once written
+        encoded.save_to_disk(str(partial))
+        (partial / data.PREPARED_DATA_RECORD).write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
     print(f"saved {encoded.num_rows} pairs to {args.output_dir}")
     return 0

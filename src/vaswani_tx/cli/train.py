@@ -8,7 +8,11 @@ last checkpoint in output_dir (optimizer, schedule, data order and random state 
 While it runs, output_dir holds a lock (.vaswani-train.lock): a second `train` on the same folder is
 refused, naming the process that holds it; the lock of a killed run is taken over. Config values are
 checked (numbers, ranges, paths, a writable output_dir that is not already a model) before any data is
-read. Ctrl-C says which checkpoint was saved last and the command that resumes from it.
+read. A new run in an output_dir holding another run's results (averaged/, scores, a final model) but no
+checkpoint is refused unless --force, which replaces them once the new run has finished. The averaged model
+(average_last) is built beside output_dir/averaged and swapped in whole; one that already holds this exact
+average is kept with what was written beside it. Ctrl-C or SIGTERM says which checkpoint was saved last and
+the command that resumes from it.
 
 examples:
   vaswani-tx train configs/train/multi30k-en-de.yaml --resume
@@ -31,6 +35,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--resume", action="store_true", help="continue from the last checkpoint in output_dir (start fresh if none)"
     )
     parser.add_argument(
+        "--force",
+        action="store_true",
+        help="start a new run in an output_dir that holds another run's results but no checkpoint (an averaged "
+        "model, scores, a final model): they are replaced once the new run has finished",
+    )
+    parser.add_argument(
         "--dry-run",
         action="store_true",
         help="print what the run will do (processes, tokens per step, steps, schedule peak, FLOPs, checkpoints) "
@@ -51,7 +61,8 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
     arguments = None
     try:
-        recipe, arguments = load_run_config(args.config, args.overrides)
+        # a plan computes, so it reads a config for any machine: bf16 and tf32 are not checked against this one
+        recipe, arguments = load_run_config(args.config, args.overrides, check_device=not args.dry_run)
         if args.dry_run:
             from vaswani_tx.plan import describe_plan, run_plan
 
@@ -59,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
                 print(describe_plan(run_plan(recipe, arguments)))
             return 0
         try:
-            metrics = train(recipe, arguments, resume=args.resume)
+            metrics = train(recipe, arguments, resume=args.resume, force=args.force)
         finally:
             end_distributed()
     except KeyboardInterrupt:

@@ -37,10 +37,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "-o",
         "--output-dir",
         required=True,
+        metavar="DIR",
         help="folder to write the tokenizer to (created if missing; refused if it exists and is not empty)",
     )
     parser.add_argument(
-        "--force", action="store_true", help="write into a non-empty output folder (e.g. replace a tokenizer)"
+        "--force", action="store_true", help="replace a non-empty output folder (whole, once the new one is written)"
     )
     parser.add_argument(
         "--kind",
@@ -64,6 +65,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from vaswani_tx.atomic import atomic_folder
     from vaswani_tx.data import load_wmt14
     from vaswani_tx.folders import check_writable, refuse_to_overwrite
     from vaswani_tx.tokenization import train_tokenizer
@@ -79,11 +81,13 @@ def run(args: argparse.Namespace) -> int:
             raise FileNotFoundError(f"corpus file {path} does not exist")
         if os.path.isdir(path):
             raise IsADirectoryError(f"corpus file {path} is a folder; give text files, one sentence per line")
-    refuse_to_overwrite(args.output_dir, args.force)
-    check_writable(args.output_dir)
+    refuse_to_overwrite(args.output_dir, args.force, inputs=args.files)
+    check_writable(args.output_dir, "whole-dir")
     if args.wmt14:
         source_lang, _, target_lang = args.wmt14.partition("-")
-        corpus = load_wmt14(source_lang, target_lang, "train", cache_dir=args.cache_dir)
+        corpus = load_wmt14(
+            source_lang, target_lang, "train", cache_dir=args.cache_dir, local_files="text FILEs (both sides)"
+        )
     else:
         corpus = args.files
     start = time.perf_counter()
@@ -91,7 +95,8 @@ def run(args: argparse.Namespace) -> int:
         corpus, args.kind, args.vocab_size, min_frequency=args.min_frequency, limit_alphabet=args.limit_alphabet
     )
     seconds = time.perf_counter() - start
-    tokenizer.save_pretrained(args.output_dir)
+    with atomic_folder(args.output_dir) as partial:  # takes the place of the output folder whole once written
+        tokenizer.save_pretrained(partial)
     print(
         f"trained a {len(tokenizer)}-token {args.kind} vocabulary in {seconds:.1f} s; "
         f"<pad>={tokenizer.pad_token_id} <unk>={tokenizer.unk_token_id} "

@@ -16,6 +16,7 @@ examples:
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from vaswani_tx.cli import fail
@@ -29,7 +30,9 @@ def add_decoding_arguments(parser: argparse.ArgumentParser) -> None:
         "--length-penalty",
         type=float,
         metavar="ALPHA",
-        help="length penalty alpha, GNMT form ((5+|Y|)/6)^alpha (the paper: 0.6)",
+        help="length penalty alpha, in the form the model's generation config names (length_penalty_type): "
+        "GNMT ((5+|Y|)/6)^alpha for models trained here (the paper: 0.6), transformers' |Y|^alpha for converted "
+        "MarianMT, FSMT and fairseq models; no effect with --num-beams 1",
     )
     group.add_argument(
         "--max-length-offset",
@@ -77,6 +80,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="UTF-8 file of source sentences, one per line ('-': standard input, the default)",
     )
     parser.add_argument("-o", "--output", metavar="FILE", help="write translations here (default: standard output)")
+    parser.add_argument(
+        "--force", action="store_true", help="replace an existing --output file (once every line is translated)"
+    )
     add_decoding_arguments(parser)
 
 
@@ -125,7 +131,7 @@ def decoding_options(args: argparse.Namespace) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
-    from vaswani_tx.folders import check_writable
+    from vaswani_tx.folders import check_writable, refuse_to_replace
     from vaswani_tx.translation import load_translator, read_text, write_lines
 
     if args.sentences and args.input:
@@ -136,12 +142,15 @@ def run(args: argparse.Namespace) -> int:
     try:
         if args.output is not None and args.output != "-":
             check_writable(args.output, "file")
+            refuse_to_replace([args.output], args.force)
         lines = list(args.sentences) if args.sentences else read_text(args.input)
         translator = load_translator(args.model, device=args.device, dtype=args.dtype, int8=args.int8)
         hypotheses = translator.translate(lines, **decoding_options(args))
         write_lines(hypotheses, args.output)
     except KeyboardInterrupt:
         where = f"{args.output} was not written" if args.output not in (None, "-") else "no translation was printed"
+        if args.output not in (None, "-") and os.path.exists(args.output):
+            where += " (what it held before is unchanged)"
         print(
             f"vaswani-tx translate: interrupted; {where} (translations are written once all are done); "
             "run the same command again to translate everything",
