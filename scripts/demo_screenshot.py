@@ -1,7 +1,7 @@
 """A screenshot of the demo page for a model folder, taken in headless Chromium (the README's picture).
 
     .venv/bin/python scripts/demo_screenshot.py runs/multi30k-en-de/averaged docs/images/demo.png
-    .venv/bin/python scripts/demo_screenshot.py MODEL OUT.png --sentence "Zwei Hunde spielen im Schnee."
+    .venv/bin/python scripts/demo_screenshot.py MODEL OUT.png --sentence "Two dogs are playing in the snow."
 
 Serves `vaswani-tx demo`'s page on 127.0.0.1 (a free port), types the sentence, presses Translate, reads the
 translation, opens the attention view and saves a screenshot of the page; then stops the browser and the server.
@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("model", help="a saved model folder, as for vaswani-tx demo")
     parser.add_argument("output", help="the PNG file to write")
-    parser.add_argument("--sentence", default="Zwei junge Männer spielen Fußball auf einer Wiese.")
+    parser.add_argument("--sentence", default="Two young men are playing soccer on a field.")
     args = parser.parse_args(argv)
     os.environ["GRADIO_ANALYTICS_ENABLED"] = "False"
     from vaswani_tx.demo import build_demo, serve
