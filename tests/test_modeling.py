@@ -654,6 +654,7 @@ def test_auto_classes_are_registered(tmp_path):
         "config.json",
         "configuration_vaswani.py",
         "errors.py",  # UserInputError, raised by the config and the model
+        "fast_decoding.py",  # the default greedy and beam search loops
         "generation_config.json",
         "generation_vaswani.py",
         "model.safetensors",

@@ -16,7 +16,7 @@ early when possible" (Section 6.1).
 error about something else (a division by zero, a reduction of an empty tensor).
 
 This file travels with saved weights for `trust_remote_code` (the model imports it): torch,
-transformers, errors.py and static_decoding.py only.
+transformers, errors.py, fast_decoding.py and static_decoding.py only.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from transformers import GenerationConfig, GenerationMixin
 from transformers.generation.logits_process import LogitsProcessor, LogitsProcessorList
 
 from .errors import UserInputError
+from .fast_decoding import beam_search, fast_decoding_applies, greedy_search, requested
 from .static_decoding import (
     CACHE_FIELD,
     StaticDecodingCache,
@@ -207,6 +208,7 @@ class VaswaniGenerationMixin(GenerationMixin):
         Passing `max_length` or `max_new_tokens` replaces the latter with that global limit."""
         config = generation_config if generation_config is not None else self.generation_config
         check_generate_arguments(config, kwargs, inputs)
+        fast = kwargs.pop("fast_decoding", None)
         penalty_type = kwargs.pop("length_penalty_type", getattr(config, "length_penalty_type", "hf"))
         offset_given = kwargs.get("max_output_length_offset") is not None
         cap_given = kwargs.get("max_len_b") is not None
@@ -258,8 +260,32 @@ class VaswaniGenerationMixin(GenerationMixin):
             kwargs["max_length"] = prefix + int(limits.max())
             cap = SourceLengthCap(limits, self.config.eos_token_id, score_forced_eos=fairseq_cap)
             logits_processor = LogitsProcessorList([*(logits_processor or []), cap])
-        return super().generate(
-            inputs, generation_config=generation_config, logits_processor=logits_processor, **kwargs
+        with requested(fast):
+            return super().generate(
+                inputs, generation_config=generation_config, logits_processor=logits_processor, **kwargs
+            )
+
+    def _sample(self, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=False,
+                streamer=None, **model_kwargs):
+        """Greedy search through fast_decoding.py's loop where it applies (the same ids, faster); sampling and
+        anything that asks for more than the sequences through transformers' `_sample`."""
+        if fast_decoding_applies(self, generation_config, model_kwargs, streamer, synced_gpus):
+            return greedy_search(
+                self, input_ids, logits_processor, stopping_criteria, generation_config, model_kwargs
+            )
+        return super()._sample(
+            input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus, streamer, **model_kwargs
+        )
+
+    def _beam_search(self, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=False,
+                     **model_kwargs):
+        """Beam search through fast_decoding.py's loop where it applies, else transformers' `_beam_search`."""
+        if fast_decoding_applies(self, generation_config, model_kwargs, None, synced_gpus):
+            return beam_search(
+                self, input_ids, logits_processor, stopping_criteria, generation_config, model_kwargs
+            )
+        return super()._beam_search(
+            input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus, **model_kwargs
         )
 
     def _prepare_cache_for_generation(self, generation_config: GenerationConfig, model_kwargs: dict, *args, **kwargs):

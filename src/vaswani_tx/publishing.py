@@ -32,6 +32,7 @@ REQUIRED_FILES = (
     "modeling_vaswani.py",
     "generation_vaswani.py",
     "pipeline_vaswani.py",
+    "fast_decoding.py",
     "static_decoding.py",
     "skip_padding.py",
     "errors.py",

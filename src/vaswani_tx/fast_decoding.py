@@ -1,0 +1,462 @@
+"""The default decoding loops: transformers' greedy and beam search, step for step, without their per-step waste.
+
+`generate()` prepares everything as transformers does (generation config, logits processors, stopping criteria,
+the encoder output, beams expanded) and then, where nothing asks for more than the sequences, its decoding
+method is this module's `greedy_search` or `beam_search` rather than transformers' `_sample` or `_beam_search`
+(generation_vaswani.py). They make the same choices from the same scores, calling the same processors and
+stopping criteria and transformers' own beam-search bookkeeping (`_get_top_k_continuations`,
+`_update_finished_beams`, ...), so the output ids are transformers' own. What they save, per step:
+- the keys and values: the self-attention's grow in place (`GrowingKeysValues`, no concatenation of the whole
+  past every step), the encoder-decoder attention's are kept once per source, not once per beam, and a beam's
+  reordering moves the written positions only;
+- the pre-softmax projection, the largest product of a step (d_model x 37,000 for the base model): on CPU its
+  weight is packed once for oneMKL's GEMM (`PackedProjection`), which reads the row-major matrix about 1.3-1.6x
+  faster than the transposed product `nn.Linear` asks for; the logits are the same (bit for bit for more
+  than one row);
+- the logits: no float32 copy of them, and the processors that would rewrite all of them to mask a few columns
+  (minimum lengths, suppressed tokens) mask those columns in place;
+- greedy search drops finished sentences from the decoder's batch (transformers decodes them to the end).
+The model's own decoder `forward` computes each step: the attention reads its keys and values from the cache it
+is given (`DecodingCache` has the part of transformers' EncoderDecoderCache interface it uses).
+
+Anything else (sampling, scores or attention weights returned, a streamer, a cache passed in, a static cache,
+`fast_decoding=False`) runs transformers' loops unchanged.
+
+This file travels with saved weights for `trust_remote_code`: torch, transformers and static_decoding.py only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import math
+import weakref
+
+import torch
+from torch import nn
+from transformers.cache_utils import EncoderDecoderCache
+from transformers.generation.logits_process import (
+    MinLengthLogitsProcessor,
+    MinNewTokensLengthLogitsProcessor,
+    SuppressTokensLogitsProcessor,
+)
+
+from .static_decoding import CACHE_FIELD, is_static_cache
+
+# --- the cache ---------------------------------------------------------------------------------------------------
+
+
+class GrowingKeysValues:
+    """The self-attention keys and values of every decoder layer, (B, h, capacity, d) each, written in place.
+
+    The written prefix is a view that the attention's batched products read without a copy; when the capacity is
+    reached it doubles (one copy of the prefix), so that a sentence of T tokens costs O(T) copying, not the
+    O(T^2) of concatenating the past to each new position. Beam search reorders the rows of the written prefix
+    into one spare buffer, which then takes the layer's place (one copy, not a gather and a copy back)."""
+
+    def __init__(self, num_layers: int):
+        self.keys: list[torch.Tensor | None] = [None] * num_layers
+        self.values: list[torch.Tensor | None] = [None] * num_layers
+        self.lengths = [0] * num_layers  # positions written, per layer (a step updates them one after another)
+        self.spare: torch.Tensor | None = None
+
+    @property
+    def length(self) -> int:
+        return self.lengths[-1]
+
+    def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs):
+        """Write the new positions' keys and values (B, h, T, d); return all positions', (B, h, P + T, d)."""
+        start = self.lengths[layer_idx]
+        end = start + key.shape[2]
+        keys, values = self.keys[layer_idx], self.values[layer_idx]
+        if keys is None or end > keys.shape[2]:
+            keys, values = self.keys[layer_idx], self.values[layer_idx] = _grown(keys, key, start), _grown(values, value, start)
+        keys[:, :, start:end] = key
+        values[:, :, start:end] = value
+        self.lengths[layer_idx] = end
+        return keys[:, :, :end], values[:, :, :end]
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        """Keep (and reorder to) these rows of the batch: the beams that go on, or the sentences not finished."""
+        for buffers in (self.keys, self.values):
+            for layer, buffer in enumerate(buffers):
+                if buffer is None:
+                    continue
+                end = self.lengths[layer]
+                if rows.numel() == buffer.shape[0]:  # beams: the same number of rows, into the spare buffer
+                    if self.spare is None or self.spare.shape != buffer.shape:
+                        self.spare = torch.empty_like(buffer)
+                    torch.index_select(buffer[:, :, :end], 0, rows, out=self.spare[:, :, :end])
+                    buffers[layer], self.spare = self.spare, buffer
+                else:
+                    selected = buffer.new_empty(rows.numel(), *buffer.shape[1:])
+                    torch.index_select(buffer[:, :, :end], 0, rows, out=selected[:, :, :end])
+                    buffers[layer] = selected
+
+
+def _grown(buffer: torch.Tensor | None, new: torch.Tensor, written: int) -> torch.Tensor:
+    """A buffer for at least twice the positions `written` + `new` hold, with the first `written` copied over."""
+    capacity = max(16, 2 * (written + new.shape[2]))
+    grown = new.new_empty(*new.shape[:2], capacity, new.shape[3])
+    if written:
+        grown[:, :, :written] = buffer[:, :, :written]
+    return grown
+
+
+class _KeysValues:
+    def __init__(self):
+        self.keys = self.values = None
+
+
+class SourceKeysValues:
+    """The encoder-decoder keys and values of every layer, computed at the first step and kept, one row per
+    source: the beams of a source attend to them as one block of queries (`MultiHeadAttention`)."""
+
+    def __init__(self, num_layers: int):
+        self.layers = [_KeysValues() for _ in range(num_layers)]
+
+    def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs):
+        layer = self.layers[layer_idx]
+        # Contiguous once: the projections' (B, S, h, d) -> (B, h, S, d) views would make every step's batched
+        # products copy them.
+        layer.keys, layer.values = key.contiguous(), value.contiguous()
+        return layer.keys, layer.values
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        for layer in self.layers:
+            if layer.keys is not None:
+                layer.keys, layer.values = layer.keys.index_select(0, rows), layer.values.index_select(0, rows)
+
+
+class DecodingCache:
+    """What the decoder's attention reads from transformers' EncoderDecoderCache (`self_attention_cache.update`,
+    `cross_attention_cache.layers`, `is_updated`, `get_seq_length`), for this module's loops."""
+
+    def __init__(self, num_layers: int):
+        self.self_attention_cache = GrowingKeysValues(num_layers)
+        self.cross_attention_cache = SourceKeysValues(num_layers)
+        self.is_updated: dict[int, bool] = {}
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.self_attention_cache.length
+
+
+# --- the pre-softmax projection ----------------------------------------------------------------------------------
+
+
+_PACKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def can_pack(weight: torch.Tensor) -> bool:
+    return (
+        weight.device.type == "cpu"
+        and weight.dtype == torch.float32
+        and torch.backends.mkl.is_available()
+        and hasattr(torch.ops.mkl, "_mkl_linear")
+    )
+
+
+class PackedProjection:
+    """x W^T for the pre-softmax matrix W (V, D) (Section 3.4), through oneMKL's GEMM on a copy of W packed once
+    for a number of rows (as Inductor's weight freezing does); oneMKL's packed GEMM takes only that number of rows,
+    and torch computes any other with its usual product. Kept per model (one packing, about W's size) while W is
+    unchanged (its identity and in-place version are checked at every `generate()`); a `generate()` with another
+    number of rows packs again (about 20 ms for the base model)."""
+
+    def __init__(self, weight: torch.Tensor, rows: int):
+        self.weight, self.rows = weight, rows
+        self.fingerprint = _fingerprint(weight)
+        with torch.no_grad():
+            self.packed = torch.ops.mkl._mkl_reorder_linear_weight(weight.detach(), rows)
+
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        rows = hidden.reshape(-1, hidden.shape[-1])
+        logits = torch.ops.mkl._mkl_linear(rows, self.packed, self.weight, None, self.rows)
+        return logits.view(*hidden.shape[:-1], -1)
+
+    @classmethod
+    def of(cls, model: nn.Module, rows: int):
+        """The model's projection packed for `rows` rows, or None where packing does not apply (not float32 on
+        CPU, no oneMKL, an int8 or otherwise replaced pre-softmax layer)."""
+        head = model.get_output_embeddings()
+        if type(head) is not nn.Linear or head.bias is not None or not can_pack(head.weight):
+            return None
+        entry = _PACKED.get(model)
+        if entry is None or entry.rows != rows or entry.fingerprint != _fingerprint(head.weight):
+            _PACKED.pop(model, None)  # the old packing goes before the new one is made: one at a time in memory
+            entry = _PACKED[model] = cls(head.weight, rows)
+        return entry
+
+
+def _fingerprint(weight: torch.Tensor) -> tuple:
+    return (id(weight), weight._version, weight.data_ptr())
+
+
+# --- one step ----------------------------------------------------------------------------------------------------
+
+
+class DecodingSession:
+    """The decoder's state for one `generate()` call: the encoder output and mask once per source, the cache, the
+    projection; `step` gives the next position's logits (rows, V), in float32."""
+
+    def __init__(self, model: nn.Module, model_kwargs: dict, rows_per_source: int = 1):
+        self.model = model
+        encoder_output = model_kwargs["encoder_outputs"][0]
+        mask = model_kwargs.get("attention_mask")
+        self.sources = encoder_output[::rows_per_source]
+        self.source_mask = mask[::rows_per_source] if mask is not None else None
+        self.cache = DecodingCache(model.config.num_decoder_layers)
+        self.projection = PackedProjection.of(model, encoder_output.shape[0])
+        self.final_bias = getattr(model, "final_logits_bias", None) if model.config.final_logits_bias else None
+
+    def step(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Logits of the position after `tokens` (rows, T): the new positions (all of the decoder's prefix at the
+        first step, one token after that)."""
+        hidden = self.model.get_decoder()(
+            input_ids=tokens,
+            encoder_hidden_states=self.sources,
+            encoder_attention_mask=self.source_mask,
+            past_key_values=self.cache,
+            use_cache=True,
+            return_dict=True,
+        ).last_hidden_state[:, -1]
+        if self.projection is None:
+            return self.model.project(hidden).float()
+        logits = self.projection(hidden)
+        return logits + self.final_bias if self.final_bias is not None else logits
+
+    def select_sources(self, rows: torch.Tensor) -> None:
+        """Keep these sources (one row each), for greedy search's finished sentences."""
+        self.sources = self.sources.index_select(0, rows)
+        if self.source_mask is not None:
+            self.source_mask = self.source_mask.index_select(0, rows)
+        self.cache.self_attention_cache.select_rows(rows)
+        self.cache.cross_attention_cache.select_rows(rows)
+
+
+# --- which calls ---------------------------------------------------------------------------------------------------
+
+# `generate(fast_decoding=...)` for the call it is passed to; None: the generation config's `fast_decoding` (True
+# when it has none). A context variable rather than a generation-config field: transformers would take an
+# unknown keyword argument for the model's forward.
+_REQUEST: contextvars.ContextVar = contextvars.ContextVar("fast_decoding", default=None)
+
+
+@contextlib.contextmanager
+def requested(fast: bool | None):
+    token = _REQUEST.set(None if fast is None else bool(fast))
+    try:
+        yield
+    finally:
+        _REQUEST.reset(token)
+
+
+
+def fast_decoding_applies(model: nn.Module, generation_config, model_kwargs: dict, streamer=None, synced_gpus=False) -> bool:
+    """Whether this module's loops can give this call's result: the sequences only, from a decoder prefix of ids,
+    with the cache generate() made for it (an empty dynamic one)."""
+    request = _REQUEST.get()
+    if (request if request is not None else getattr(generation_config, "fast_decoding", True)) is False:
+        return False
+    if generation_config.return_dict_in_generate or streamer is not None or synced_gpus:
+        return False
+    if generation_config.do_sample or getattr(generation_config, "is_assistant", False):
+        return False
+    if getattr(generation_config, "prefill_chunk_size", None) is not None:
+        return False
+    encoder_outputs = model_kwargs.get("encoder_outputs")
+    if encoder_outputs is None or model_kwargs.get("decoder_inputs_embeds") is not None:
+        return False
+    decoder_mask = model_kwargs.get("decoder_attention_mask")
+    if decoder_mask is not None and not bool(decoder_mask.all()):
+        return False
+    cache = model_kwargs.get(CACHE_FIELD, model_kwargs.get("past_key_values"))
+    if cache is not None:  # generate() made it: empty and dynamic; a caller's own or a static one: theirs
+        if not isinstance(cache, EncoderDecoderCache) or is_static_cache(cache) or cache.get_seq_length():
+            return False
+        if getattr(cache, "_is_user_defined", False):
+            return False
+    return model_kwargs.get("use_cache", True) is not False
+
+
+# --- the processors ---------------------------------------------------------------------------------------------
+
+
+def process(logits_processor, input_ids: torch.Tensor, scores: torch.Tensor, columns: dict) -> torch.Tensor:
+    """`logits_processor(input_ids, scores)`, except that the processors which only mask a few columns mask
+    them in `scores` itself (the loops own it) instead of writing a whole new (rows, V) tensor. `columns` keeps
+    each such processor's column index between steps."""
+    for processor in logits_processor:
+        if isinstance(processor, MinNewTokensLengthLogitsProcessor):
+            if input_ids.shape[-1] - processor.prompt_length_to_skip < processor.min_new_tokens:
+                scores[:, _columns(columns, processor, processor.eos_token_id, scores)] = -math.inf
+        elif isinstance(processor, MinLengthLogitsProcessor):
+            if input_ids.shape[-1] < processor.min_length:
+                scores[:, _columns(columns, processor, processor.eos_token_id, scores)] = -math.inf
+        elif isinstance(processor, SuppressTokensLogitsProcessor):
+            scores[:, _columns(columns, processor, processor.suppress_tokens, scores)] = -math.inf
+        else:
+            scores = processor(input_ids, scores)
+    return scores
+
+
+def _columns(columns: dict, processor, ids, scores: torch.Tensor) -> torch.Tensor:
+    """Token ids as an index into the columns of `scores`, those outside the vocabulary left out (as the
+    processors' `isin` over the vocabulary leaves them out)."""
+    index = columns.get(id(processor))
+    if index is None:
+        ids = torch.as_tensor(ids, device=scores.device).reshape(-1).long()
+        index = columns[id(processor)] = ids[(ids >= 0) & (ids < scores.shape[-1])]
+    return index
+
+
+# --- greedy search ----------------------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def greedy_search(model, input_ids, logits_processor, stopping_criteria, generation_config, model_kwargs):
+    """transformers' `_sample` without sampling: the highest-scoring token at each step, finished rows padded,
+    until every row meets a stopping criterion. Finished rows leave the decoder's batch."""
+    pad_token_id = generation_config._pad_token_tensor
+    has_eos_stopping_criteria = any(hasattr(criteria, "eos_token_id") for criteria in stopping_criteria)
+    session = DecodingSession(model, model_kwargs)
+    batch = input_ids.shape[0]
+    unfinished = torch.ones(batch, dtype=torch.long, device=input_ids.device)
+    active = None  # the rows the decoder still computes (None: all)
+    tokens, scores, columns = input_ids, None, {}
+    while True:
+        logits = session.step(tokens)
+        if active is not None:  # finished rows are padded whatever their scores: any row of logits will do
+            if scores is None:
+                scores = logits.new_zeros(batch, logits.shape[-1])
+            logits = scores.index_copy_(0, active, logits)
+        next_tokens = torch.argmax(process(logits_processor, input_ids, logits, columns), dim=-1)
+        if has_eos_stopping_criteria:
+            next_tokens = next_tokens * unfinished + pad_token_id * (1 - unfinished)
+        input_ids = torch.cat([input_ids, next_tokens[:, None]], dim=-1)
+        unfinished = unfinished & ~stopping_criteria(input_ids, None)
+        remaining = int(unfinished.sum())
+        if remaining == 0:
+            return input_ids
+        if remaining < (batch if active is None else active.numel()):
+            still = unfinished.nonzero().squeeze(1)
+            session.select_sources(still if active is None else torch.searchsorted(active, still))
+            active = still
+        tokens = next_tokens[:, None] if active is None else next_tokens[active, None]
+
+
+# --- beam search ------------------------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def beam_search(model, input_ids, logits_processor, stopping_criteria, generation_config, model_kwargs):
+    """transformers' `_beam_search` (without sampling), with its own bookkeeping functions: at each step the
+    2k best continuations of each source's k beams, the best k unfinished ones go on, and finished ones
+    replace the worst kept hypotheses while they score better (after the length penalty)."""
+    early_stopping = generation_config.early_stopping
+    length_penalty = generation_config.length_penalty
+    max_length = generation_config.max_length
+    num_beams = generation_config.num_beams
+    num_return_sequences = generation_config.num_return_sequences
+    eos_token_id = generation_config._eos_token_tensor
+    pad_token_id = generation_config._pad_token_tensor
+
+    batch_size_unflattened, cur_len = input_ids.shape[:2]
+    batch_size = batch_size_unflattened // num_beams
+    decoder_prompt_len = cur_len
+    device = input_ids.device
+    n_eos_tokens = eos_token_id.shape[0] if eos_token_id is not None else 0
+    beams_to_keep = max(2, 1 + n_eos_tokens) * num_beams
+    top_num_beam_mask = torch.cat(
+        (torch.ones(num_beams, dtype=torch.bool), torch.zeros(beams_to_keep - num_beams, dtype=torch.bool))
+    ).to(device)
+
+    output_fill_value = pad_token_id or eos_token_id[0] if eos_token_id is not None else -1
+    running_sequences = torch.full(
+        (batch_size, num_beams, max_length), fill_value=output_fill_value, dtype=torch.int64, device=device
+    )
+    running_sequences[:, :, :cur_len] = input_ids.view(batch_size, num_beams, cur_len)
+    sequences = running_sequences.clone()
+    running_beam_scores = torch.zeros((batch_size, num_beams), dtype=torch.float, device=device)
+    running_beam_scores[:, 1:] = -1e9
+    beam_scores = torch.full((batch_size, num_beams), fill_value=-1e9, dtype=torch.float, device=device)
+    is_sent_finished = torch.zeros((batch_size, num_beams), dtype=torch.bool, device=device)
+    is_early_stop_heuristic_unsatisfied = torch.ones((batch_size, 1), dtype=torch.bool, device=device)
+    running_beam_indices = torch.full(
+        (batch_size, num_beams, max_length - cur_len), fill_value=-1, dtype=torch.int32, device=device
+    )
+    beam_indices = running_beam_indices.clone()
+
+    session = DecodingSession(model, model_kwargs, rows_per_source=num_beams)
+    tokens = flat_running_sequences = input_ids
+    columns = {}
+    while True:
+        log_probs = nn.functional.log_softmax(session.step(tokens), dim=-1)
+        log_probs = process(logits_processor, flat_running_sequences, log_probs, columns)
+        log_probs = log_probs.view(batch_size, num_beams, -1).add_(running_beam_scores[:, :, None])
+        log_probs = log_probs.view(batch_size, -1)  # (B, k * V)
+
+        topk_log_probs, topk_running_sequences, topk_running_beam_indices = model._get_top_k_continuations(
+            accumulated_log_probs=log_probs,
+            running_sequences=running_sequences,
+            running_beam_indices=running_beam_indices,
+            cur_len=cur_len,
+            decoder_prompt_len=decoder_prompt_len,
+            do_sample=False,
+            beams_to_keep=beams_to_keep,
+            num_beams=num_beams,
+            batch_size=batch_size,
+        )
+        del log_probs
+        next_token_hits_stopping_criteria = stopping_criteria(
+            topk_running_sequences[:, :, : cur_len + 1].reshape(batch_size * beams_to_keep, -1), None
+        ).view(batch_size, beams_to_keep)
+        running_sequences, running_beam_scores, running_beam_indices = model._get_running_beams_for_next_iteration(
+            topk_log_probs=topk_log_probs,
+            topk_running_sequences=topk_running_sequences,
+            topk_running_beam_indices=topk_running_beam_indices,
+            next_token_hits_stopping_criteria=next_token_hits_stopping_criteria,
+            num_beams=num_beams,
+        )
+        sequences, beam_scores, beam_indices, is_sent_finished = model._update_finished_beams(
+            sequences=sequences,
+            topk_running_sequences=topk_running_sequences,
+            beam_scores=beam_scores,
+            topk_log_probs=topk_log_probs,
+            beam_indices=beam_indices,
+            topk_running_beam_indices=topk_running_beam_indices,
+            is_early_stop_heuristic_unsatisfied=is_early_stop_heuristic_unsatisfied,
+            is_sent_finished=is_sent_finished,
+            next_token_hits_stopping_criteria=next_token_hits_stopping_criteria,
+            top_num_beam_mask=top_num_beam_mask,
+            num_beams=num_beams,
+            cur_len=cur_len,
+            decoder_prompt_len=decoder_prompt_len,
+            length_penalty=length_penalty,
+            early_stopping=early_stopping,
+        )
+        beam_idx = running_beam_indices[..., cur_len - decoder_prompt_len].reshape(-1).long()
+        cur_len += 1
+        is_early_stop_heuristic_unsatisfied = model._check_early_stop_heuristic(
+            is_early_stop_heuristic_unsatisfied=is_early_stop_heuristic_unsatisfied,
+            running_beam_scores=running_beam_scores,
+            beam_scores=beam_scores,
+            is_sent_finished=is_sent_finished,
+            cur_len=cur_len,
+            max_length=max_length,
+            decoder_prompt_len=decoder_prompt_len,
+            early_stopping=early_stopping,
+            length_penalty=length_penalty,
+        )
+        if not model._beam_search_has_unfinished_sequences(
+            is_early_stop_heuristic_unsatisfied, is_sent_finished, next_token_hits_stopping_criteria, early_stopping
+        ):
+            break
+        session.cache.self_attention_cache.select_rows(beam_idx)
+        flat_running_sequences = running_sequences[:, :, :cur_len].reshape(batch_size * num_beams, cur_len)
+        tokens = flat_running_sequences[:, -1:]
+
+    sequences = sequences[:, :num_return_sequences, :].reshape(batch_size * num_return_sequences, -1)
+    beam_indices = beam_indices[:, :num_return_sequences, :].reshape(batch_size * num_return_sequences, -1)
+    max_generated_length = ((beam_indices + 1).bool()).sum(dim=1).max()
+    return sequences[:, : decoder_prompt_len + max_generated_length]

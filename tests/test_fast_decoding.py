@@ -1,0 +1,160 @@
+"""The default decoding loops (fast_decoding.py) against transformers' own (`generate(fast_decoding=False)`):
+the same ids, for every setting the default path takes; transformers' loops where something more is asked.
+
+Speed is measured by benchmarks/bench_speed.py and bench_translate.py, never asserted here.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LogitsProcessor, LogitsProcessorList
+
+from test_modeling import EOS, batch, tiny_model  # the model tests' tiny odd-sized model and padded batch
+from vaswani_tx import fast_decoding
+from vaswani_tx.generation_vaswani import fairseq_generation_config
+from vaswani_tx.quantization import quantize_int8
+
+
+def both(model, **kwargs):
+    """(the default path's output, transformers' loops' output) for the same call."""
+    return model.generate(**kwargs), model.generate(fast_decoding=False, **kwargs)
+
+
+@pytest.fixture
+def loops(monkeypatch):
+    """Which of fast_decoding's loops ran, in order."""
+    ran = []
+    for name in ("greedy_search", "beam_search"):
+        original = getattr(fast_decoding, name)
+
+        def counting(*args, _name=name, _original=original, **kwargs):
+            ran.append(_name)
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(f"vaswani_tx.generation_vaswani.{name}", counting)
+    return ran
+
+
+class EndsAt(LogitsProcessor):
+    """Makes </s> likely for source i's rows (all its beams) at its `steps[i]`-th new token and after: sentences
+    that end at different steps, from a random model that would otherwise run to the length cap."""
+
+    def __init__(self, steps, start: int = 1):
+        self.steps, self.start = torch.tensor(steps), start
+
+    def __call__(self, input_ids, scores):
+        rows = self.steps.repeat_interleave(input_ids.shape[0] // len(self.steps))
+        boost = (input_ids.shape[1] - self.start + 1 >= rows).float() * 4.0
+        return scores + boost[:, None] * (torch.arange(scores.shape[1]) == EOS)
+
+
+def eos_prone_model(seed: int = 0):
+    """A tiny model with Marian's fixed logit bias (the packed projection adds it), a little raised on </s>."""
+    model = tiny_model(seed=seed, final_logits_bias=True)
+    model.final_logits_bias[0, EOS] = 0.5
+    return model
+
+
+def ends(output: torch.Tensor) -> list[int]:
+    return [int((row == EOS).nonzero()[0]) if (row == EOS).any() else row.numel() for row in output]
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        dict(num_beams=1),
+        dict(num_beams=4),  # the paper's: GNMT length penalty 0.6, source length + 50, early stopping
+        dict(num_beams=3, num_return_sequences=2, length_penalty=1.3, length_penalty_type="hf"),
+        dict(num_beams=4, early_stopping=False, max_output_length_offset=5),
+        dict(num_beams=1, min_new_tokens=9, max_new_tokens=9),
+        dict(num_beams=4, min_new_tokens=9, max_new_tokens=9),
+        dict(num_beams=2, no_repeat_ngram_size=2, repetition_penalty=1.5),  # processors run as they are
+    ],
+    ids=["greedy", "beam-paper", "beam-returns-2", "beam-no-early-stop", "greedy-min", "beam-min", "processors"],
+)
+def test_the_default_loops_give_transformers_ids(settings, loops):
+    for seed in (0, 4):
+        model = eos_prone_model(seed)
+        ids, mask = batch(seed=seed, lengths=(7, 4, 6, 2))
+        ending = LogitsProcessorList([EndsAt([3, 7, 5, 12])])
+        fast, stock = both(model, input_ids=ids, attention_mask=mask, logits_processor=ending, **settings)
+        assert torch.equal(fast, stock)
+        assert "min_new_tokens" in settings or len(set(ends(fast))) > 1  # sentences of several lengths
+    assert loops == ["greedy_search" if settings["num_beams"] == 1 else "beam_search"] * 2
+
+
+def test_greedy_search_drops_finished_sentences_and_pads_them_as_transformers_does(loops):
+    model = eos_prone_model(seed=1)
+    ids, mask = batch(seed=2, lengths=(7, 4, 6, 2, 5, 3))
+    ending = LogitsProcessorList([EndsAt([9, 2, 6, 4, 30, 6])])
+    fast, stock = both(model, input_ids=ids, attention_mask=mask, num_beams=1, logits_processor=ending)
+    assert torch.equal(fast, stock)
+    assert len(set(ends(fast))) > 3  # sentences ended at several different steps: the batch shrank more than once
+
+
+def test_a_decoder_prefix_the_fairseq_cap_and_suppressed_tokens(loops):
+    model = eos_prone_model(seed=2)
+    ids, mask = batch(seed=3)
+    prefix = torch.tensor([[2, 7], [2, 9], [2, 11]])
+    fast, stock = both(model, input_ids=ids, attention_mask=mask, decoder_input_ids=prefix, num_beams=3)
+    assert torch.equal(fast, stock) and torch.equal(fast[:, :2], prefix)
+    config = fairseq_generation_config(model.config, beam=3, max_len_a=1.0, max_len_b=2)
+    fast, stock = both(model, input_ids=ids, attention_mask=mask, generation_config=config)
+    assert torch.equal(fast, stock)
+    assert loops == ["beam_search"] * 2
+
+
+def test_the_packed_projection_follows_the_weights():
+    """The pre-softmax matrix is packed once per model and number of rows; a change to the weights (an optimizer
+    step, a loaded state dict) packs again rather than decode with the old ones."""
+    model = eos_prone_model()
+    ids, mask = batch()
+    model.generate(input_ids=ids, attention_mask=mask, num_beams=1)
+    packed = fast_decoding.PackedProjection.of(model, ids.shape[0])
+    if packed is None:
+        pytest.skip("torch without oneMKL: the projection is not packed")
+    assert fast_decoding.PackedProjection.of(model, ids.shape[0]) is packed  # kept
+    with torch.no_grad():
+        model.lm_head.weight.mul_(-1.0)  # in place: the same tensor, a new version
+    fast, stock = both(model, input_ids=ids, attention_mask=mask, num_beams=1)
+    assert torch.equal(fast, stock)
+    assert fast_decoding.PackedProjection.of(model, ids.shape[0]) is not packed
+    hidden = torch.randn(ids.shape[0], model.config.d_model)
+    torch.testing.assert_close(fast_decoding.PackedProjection.of(model, ids.shape[0])(hidden), model.lm_head(hidden))
+
+
+def test_int8_and_bfloat16_models_take_the_default_loops_unpacked(loops):
+    ids, mask = batch()
+    int8 = quantize_int8(eos_prone_model())
+    fast, stock = both(int8, input_ids=ids, attention_mask=mask, num_beams=2)
+    assert torch.equal(fast, stock)
+    bf16 = eos_prone_model().to(torch.bfloat16)
+    fast, stock = both(bf16, input_ids=ids, attention_mask=mask, num_beams=1)
+    assert torch.equal(fast, stock)
+    assert loops == ["beam_search", "greedy_search"]
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        dict(num_beams=2, output_scores=True, return_dict_in_generate=True),
+        dict(num_beams=1, do_sample=True),
+        dict(num_beams=1, fast_decoding=False),
+        dict(num_beams=2, cache_implementation="static", disable_compile=True),
+    ],
+    ids=["scores", "sampling", "asked-not-to", "static-cache"],
+)
+def test_anything_more_than_the_sequences_runs_transformers_loops(settings, loops):
+    model = eos_prone_model()
+    ids, mask = batch()
+    model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, **settings)
+    assert loops == []
+
+
+def test_a_saved_generation_config_can_turn_the_default_loops_off(loops, tmp_path):
+    model = eos_prone_model()
+    model.generation_config.fast_decoding = False
+    ids, mask = batch()
+    model.generate(input_ids=ids, attention_mask=mask, num_beams=1, max_new_tokens=3)
+    assert loops == []
