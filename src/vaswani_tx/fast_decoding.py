@@ -10,12 +10,12 @@ stopping criteria and transformers' own beam-search bookkeeping (`_get_top_k_con
   past every step), the encoder-decoder attention's are kept once per source, not once per beam, and a beam's
   reordering moves the written positions only;
 - the pre-softmax projection, the largest product of a step (d_model x 37,000 for the base model): on CPU its
-  weight is packed once for oneMKL's GEMM (`PackedProjection`), which reads the row-major matrix about 1.3-1.6x
-  faster than the transposed product `nn.Linear` asks for; the logits are the same (bit for bit for more
-  than one row);
+  weight is packed once for oneMKL's GEMM (`PackedProjection`), 1.25-1.55x faster than the transposed product
+  `nn.Linear` asks for (1, 32 and 128 rows, base shape, one core); the logits agree to float32 rounding (bit
+  for bit where `nn.Linear` runs the same GEMM, more than one row);
 - the logits: no float32 copy of them, and the processors that would rewrite all of them to mask a few columns
   (minimum lengths, suppressed tokens) mask those columns in place;
-- greedy search drops finished sentences from the decoder's batch (transformers decodes them to the end).
+- finished sentences leave the decoder's batch (transformers decodes them to the end of the batch's longest).
 The model's own decoder `forward` computes each step: the attention reads its keys and values from the cache it
 is given (`DecodingCache` has the part of transformers' EncoderDecoderCache interface it uses).
 
@@ -225,13 +225,14 @@ class DecodingSession:
         logits = self.projection(hidden)
         return logits + self.final_bias if self.final_bias is not None else logits
 
-    def select_sources(self, rows: torch.Tensor) -> None:
-        """Keep these sources (one row each), for greedy search's finished sentences."""
-        self.sources = self.sources.index_select(0, rows)
+    def select(self, sources: torch.Tensor, rows: torch.Tensor | None = None) -> None:
+        """Keep these sources, and of the decoder's rows these (default: the sources' own, one row each): the
+        sentences that are not finished yet."""
+        self.sources = self.sources.index_select(0, sources)
         if self.source_mask is not None:
-            self.source_mask = self.source_mask.index_select(0, rows)
-        self.cache.self_attention_cache.select_rows(rows)
-        self.cache.cross_attention_cache.select_rows(rows)
+            self.source_mask = self.source_mask.index_select(0, sources)
+        self.cache.cross_attention_cache.select_rows(sources)
+        self.cache.self_attention_cache.select_rows(sources if rows is None else rows)
 
 
 # --- which calls ---------------------------------------------------------------------------------------------------
@@ -340,7 +341,7 @@ def greedy_search(model, input_ids, logits_processor, stopping_criteria, generat
             return input_ids
         if remaining < (batch if active is None else active.numel()):
             still = unfinished.nonzero().squeeze(1)
-            session.select_sources(still if active is None else torch.searchsorted(active, still))
+            session.select(still if active is None else torch.searchsorted(active, still))
             active = still
         tokens = next_tokens[:, None] if active is None else next_tokens[active, None]
 
@@ -389,9 +390,15 @@ def beam_search(model, input_ids, logits_processor, stopping_criteria, generatio
 
     session = DecodingSession(model, model_kwargs, rows_per_source=num_beams)
     tokens = flat_running_sequences = input_ids
-    columns = {}
+    columns, scores = {}, None
+    active = torch.arange(batch_size, device=device)  # the sources still decoded
+    active_rows = None  # their rows, source-major (None: all)
     while True:
-        log_probs = nn.functional.log_softmax(session.step(tokens), dim=-1)
+        logits = session.step(tokens)
+        if active_rows is not None:  # a finished source's rows keep their last logits: it cannot change any more
+            logits = scores.index_copy_(0, active_rows, logits)
+        scores = logits
+        log_probs = nn.functional.log_softmax(logits, dim=-1)
         log_probs = process(logits_processor, flat_running_sequences, log_probs, columns)
         log_probs = log_probs.view(batch_size, num_beams, -1).add_(running_beam_scores[:, :, None])
         log_probs = log_probs.view(batch_size, -1)  # (B, k * V)
@@ -448,13 +455,31 @@ def beam_search(model, input_ids, logits_processor, stopping_criteria, generatio
             early_stopping=early_stopping,
             length_penalty=length_penalty,
         )
+        # A source is finished once no continuation can enter its kept hypotheses (transformers adds -1e9 to
+        # them): all k kept with early stopping, or the heuristic says none can score better. It stays so.
+        finished = ~is_early_stop_heuristic_unsatisfied[:, 0]
+        if early_stopping is True:
+            finished |= is_sent_finished.all(dim=-1)
         if not model._beam_search_has_unfinished_sequences(
-            is_early_stop_heuristic_unsatisfied, is_sent_finished, next_token_hits_stopping_criteria, early_stopping
+            is_early_stop_heuristic_unsatisfied[active],
+            is_sent_finished[active],
+            next_token_hits_stopping_criteria[active],
+            early_stopping,
         ):
             break
-        session.cache.self_attention_cache.select_rows(beam_idx)
+        # The beams that go on, as rows of the decoder's batch (a beam continues one of its own source's).
+        keep = beam_idx if active_rows is None else torch.searchsorted(active_rows, beam_idx[active_rows])
+        still = active[~finished[active]]
+        if still.numel() < active.numel():  # finished sources leave the decoder's batch
+            kept_sources = torch.searchsorted(active, still)
+            offsets = torch.arange(num_beams, device=device)
+            keep = keep.view(-1, num_beams)[kept_sources].reshape(-1)
+            active, active_rows = still, (still[:, None] * num_beams + offsets).reshape(-1)
+            session.select(kept_sources, keep)
+        else:
+            session.cache.self_attention_cache.select_rows(keep)
         flat_running_sequences = running_sequences[:, :, :cur_len].reshape(batch_size * num_beams, cur_len)
-        tokens = flat_running_sequences[:, -1:]
+        tokens = flat_running_sequences[:, -1:] if active_rows is None else flat_running_sequences[active_rows, -1:]
 
     sequences = sequences[:, :num_return_sequences, :].reshape(batch_size * num_return_sequences, -1)
     beam_indices = beam_indices[:, :num_return_sequences, :].reshape(batch_size * num_return_sequences, -1)
