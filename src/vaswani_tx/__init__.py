@@ -26,12 +26,14 @@ _CLASSES = {
     "GNMTLengthPenalty": "generation_vaswani",
     "paper_generation_config": "generation_vaswani",
     "FairseqTokenizer": "tokenization_fairseq",
+    "decoding_dtype": "precision",
 }
 
 if TYPE_CHECKING:
     from .configuration_vaswani import VaswaniConfig
     from .generation_vaswani import GNMTLengthPenalty, paper_generation_config
     from .modeling_vaswani import VaswaniForConditionalGeneration, VaswaniModel, VaswaniPreTrainedModel
+    from .precision import decoding_dtype
     from .tokenization_fairseq import FairseqTokenizer
 
 
@@ -60,6 +62,7 @@ __all__ = [
     "VaswaniForConditionalGeneration",
     "VaswaniModel",
     "VaswaniPreTrainedModel",
+    "decoding_dtype",
     "paper_generation_config",
     "register_auto_classes",
 ]

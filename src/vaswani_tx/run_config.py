@@ -238,6 +238,10 @@ def load_run_config(
         logger.warning("TensorBoard is not installed: training without TensorBoard logs (pip install tensorboard)")
         kept = [r for r in ([report_to] if isinstance(report_to, str) else report_to) if r != "tensorboard"]
         argument_values["report_to"] = kept or "none"
+    if "bf16" in argument_values:  # true, false, or auto: on where this machine has fast bf16 (precision.py)
+        from .precision import resolve_bf16_setting
+
+        argument_values["bf16"] = resolve_bf16_setting(argument_values["bf16"], f"run config {path}")
     withheld = {} if check_device else {k: argument_values.pop(k) for k in DEVICE_FIELDS if k in argument_values}
     try:
         arguments = Seq2SeqTrainingArguments(**argument_values)

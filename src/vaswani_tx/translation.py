@@ -45,7 +45,6 @@ from vaswani_tx.vocabulary import drop_format_characters
 
 logger = logging.getLogger(__name__)
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
 
 # Characters str.splitlines() treats as line ends: a hypothesis holding one would shift every later line.
@@ -129,12 +128,12 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     return resolved
 
 
-def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
-    if dtype is None or isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype not in DTYPES:
-        raise UserInputError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
-    return DTYPES[dtype]
+def resolve_dtype(dtype: str | torch.dtype | None, device: str | torch.device = "cpu") -> torch.dtype | None:
+    """A dtype name ("auto": bfloat16 where this device has fast bf16, else float32; precision.py), a torch.dtype,
+    or None (the saved weights' dtype)."""
+    from vaswani_tx.precision import decoding_dtype
+
+    return decoding_dtype(dtype, device)
 
 
 @dataclass
@@ -259,9 +258,9 @@ def load_translator(
             "the weights (tokenizer.save_pretrained(folder))"
         ) from err
     device = resolve_device(device)
-    if int8 and (device.type != "cpu" or resolve_dtype(dtype) not in (None, torch.float32)):
+    if int8 and (device.type != "cpu" or dtype not in (None, "float32", torch.float32)):
         raise UserInputError(f"int8 decoding runs on the CPU from float32 weights, not on {device} in {dtype}")
-    model = VaswaniForConditionalGeneration.from_pretrained(folder, dtype=resolve_dtype(dtype))
+    model = VaswaniForConditionalGeneration.from_pretrained(folder, dtype=resolve_dtype(dtype, device))
     try:
         check_tokenizer_fits_model(tokenizer, model.config)
     except UserInputError as err:

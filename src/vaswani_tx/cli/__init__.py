@@ -13,7 +13,9 @@ is a bug, one line naming it and exit status 1, with the traceback under ``--deb
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
+import logging
 import sys
 
 from vaswani_tx.errors import UserInputError
@@ -94,6 +96,34 @@ def describe_os_error(error: OSError) -> str:
     return f"{files}: {error.strerror}"
 
 
+class _StderrLines(logging.Handler):
+    """Log records as `vaswani-tx COMMAND: message` on whatever sys.stderr is when they come."""
+
+    def __init__(self, command: str):
+        super().__init__()
+        self.command = command
+
+    def emit(self, record: logging.LogRecord) -> None:
+        print(f"vaswani-tx {self.command}: {record.getMessage()}", file=sys.stderr)
+
+
+@contextlib.contextmanager
+def precision_choices_shown(command: str):
+    """While a command runs, what `bf16: auto` and `--dtype auto` chose and why (vaswani_tx.precision's log) goes
+    to stderr, one line each."""
+    log = logging.getLogger("vaswani_tx.precision")
+    saved = log.level, log.propagate
+    handler = _StderrLines(command)
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    log.propagate = False
+    try:
+        yield
+    finally:
+        log.removeHandler(handler)
+        log.level, log.propagate = saved
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run one command; its exit status: 0 done, 1 a bug (an exception no check foresaw), 2 bad input or a
     file the command could not use, 130 interrupted (Ctrl-C), 143 stopped by SIGTERM (every file being written
@@ -114,9 +144,10 @@ def main(argv: list[str] | None = None) -> int:
         args._parser.error(f"unrecognized arguments: {' '.join(extra)}")
     from vaswani_tx.atomic import sigterm_as_interrupt
 
+
     stopped: list[int] = []  # SIGTERM raises KeyboardInterrupt, so clean-ups run as for Ctrl-C; exit 128 + 15
     try:
-        with sigterm_as_interrupt(stopped):
+        with sigterm_as_interrupt(stopped), precision_choices_shown(args.command):
             status = int(args._run(args) or 0)
         return 128 + stopped[0] if stopped and status == 130 else status
     except KeyboardInterrupt:  # commands that save work say themselves what was saved

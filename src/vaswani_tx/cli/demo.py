@@ -33,7 +33,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=7860, help="port to serve on (default 7860)")
     parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, mps, ... (default: the GPU if any)")
     parser.add_argument(
-        "--dtype", choices=["float32", "bfloat16", "float16"], help="weights' dtype (default: as saved)"
+        "--dtype",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="weights' dtype; auto: bfloat16 where the CPU or GPU has fast bf16, else float32 (default: as saved)",
     )
     parser.add_argument("--int8", action="store_true", help="int8 linear layers for CPU decoding, as translate --int8")
     space = parser.add_argument_group("a Hugging Face Space instead of a server")

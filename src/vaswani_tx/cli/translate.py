@@ -49,7 +49,10 @@ def add_decoding_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--batch-size", type=int, help="at most this many sentences per batch (default: no limit)")
     group.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, mps, ... (default: the GPU if any)")
     group.add_argument(
-        "--dtype", choices=["float32", "bfloat16", "float16"], help="weights' dtype for decoding (default: as saved)"
+        "--dtype",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="weights' dtype for decoding; auto: bfloat16 where the CPU has bf16 instructions (AVX512-BF16, AMX) or the GPU "
+        "bf16, else float32 (default: as saved)",
     )
     group.add_argument(
         "--int8",
