@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import LogitsProcessor, LogitsProcessorList
+from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 
 from test_modeling import EOS, batch, tiny_model  # the model tests' tiny odd-sized model and padded batch
 from vaswani_tx import fast_decoding
@@ -158,3 +158,32 @@ def test_a_saved_generation_config_can_turn_the_default_loops_off(loops, tmp_pat
     ids, mask = batch()
     model.generate(input_ids=ids, attention_mask=mask, num_beams=1, max_new_tokens=3)
     assert loops == []
+
+
+class StopAfter(StoppingCriteria):
+    """A caller's own criterion: rows whose last token is `token` are done."""
+
+    def __init__(self, token: int):
+        self.token = token
+
+    def __call__(self, input_ids, scores, **kwargs):
+        return input_ids[:, -1] == self.token
+
+
+@pytest.mark.parametrize("num_beams", [1, 3])
+def test_a_callers_stopping_criteria_are_asked_as_transformers_asks_them(num_beams, loops):
+    model = eos_prone_model(seed=5)
+    ids, mask = batch(seed=5, lengths=(7, 4, 6, 5))
+    plain = model.generate(input_ids=ids, attention_mask=mask, num_beams=num_beams, fast_decoding=False)
+    token = int(plain[0, 3])  # a token the first sentence produces
+    criteria = StoppingCriteriaList([StopAfter(token)])
+    fast, stock = both(model, input_ids=ids, attention_mask=mask, num_beams=num_beams, stopping_criteria=criteria)
+    assert torch.equal(fast, stock) and fast.shape[1] < plain.shape[1]
+
+
+def test_the_output_is_an_ordinary_tensor_outside_inference_mode():
+    model = eos_prone_model()
+    ids, mask = batch()
+    output = model.generate(input_ids=ids, attention_mask=mask, num_beams=2)
+    assert not output.is_inference()
+    output[:, 0] = 0  # in place, as callers do with generate()'s output

@@ -40,6 +40,7 @@ from transformers.generation.logits_process import (
     MinNewTokensLengthLogitsProcessor,
     SuppressTokensLogitsProcessor,
 )
+from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 
 from .static_decoding import CACHE_FIELD, is_static_cache
 
@@ -311,10 +312,41 @@ def _columns(columns: dict, processor, ids, scores: torch.Tensor) -> torch.Tenso
     return index
 
 
+def stop(stopping_criteria, input_ids: torch.Tensor) -> torch.Tensor:
+    """`stopping_criteria(input_ids, None)`: whether each row is done. The two criteria every call has are answered
+    here the same way, cheaper: the length (one comparison for all rows) and the end-of-sentence token (a
+    comparison with the last tokens instead of `isin`, which sorts)."""
+    done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+    for criteria in stopping_criteria:
+        if type(criteria) is MaxLengthCriteria:
+            if input_ids.shape[1] >= criteria.max_length:
+                done = torch.ones_like(done)
+        elif type(criteria) is EosTokenCriteria:
+            eos = criteria.eos_token_id.to(input_ids.device).reshape(-1)
+            done = done | (input_ids[:, -1:] == eos).any(dim=-1)
+        else:
+            done = done | criteria(input_ids, None)
+    return done
+
+
+def in_inference_mode(loop):
+    """Run a loop under `torch.inference_mode` (less bookkeeping per operation than `no_grad`), and hand back a
+    normal tensor to a caller outside it."""
+
+    def run(*args, **kwargs):
+        outside = not torch.is_inference_mode_enabled()
+        with torch.inference_mode():
+            result = loop(*args, **kwargs)
+        return result.clone() if outside else result
+
+    run.__name__, run.__doc__, run.__wrapped__ = loop.__name__, loop.__doc__, loop
+    return run
+
+
 # --- greedy search ----------------------------------------------------------------------------------------------------
 
 
-@torch.no_grad()
+@in_inference_mode
 def greedy_search(model, input_ids, logits_processor, stopping_criteria, generation_config, model_kwargs):
     """transformers' `_sample` without sampling: the highest-scoring token at each step, finished rows padded,
     until every row meets a stopping criterion. Finished rows leave the decoder's batch."""
@@ -335,7 +367,7 @@ def greedy_search(model, input_ids, logits_processor, stopping_criteria, generat
         if has_eos_stopping_criteria:
             next_tokens = next_tokens * unfinished + pad_token_id * (1 - unfinished)
         input_ids = torch.cat([input_ids, next_tokens[:, None]], dim=-1)
-        unfinished = unfinished & ~stopping_criteria(input_ids, None)
+        unfinished = unfinished & ~stop(stopping_criteria, input_ids)
         remaining = int(unfinished.sum())
         if remaining == 0:
             return input_ids
@@ -349,7 +381,7 @@ def greedy_search(model, input_ids, logits_processor, stopping_criteria, generat
 # --- beam search ------------------------------------------------------------------------------------------------------
 
 
-@torch.no_grad()
+@in_inference_mode
 def beam_search(model, input_ids, logits_processor, stopping_criteria, generation_config, model_kwargs):
     """transformers' `_beam_search` (without sampling), with its own bookkeeping functions: at each step the
     2k best continuations of each source's k beams, the best k unfinished ones go on, and finished ones
@@ -415,8 +447,8 @@ def beam_search(model, input_ids, logits_processor, stopping_criteria, generatio
             batch_size=batch_size,
         )
         del log_probs
-        next_token_hits_stopping_criteria = stopping_criteria(
-            topk_running_sequences[:, :, : cur_len + 1].reshape(batch_size * beams_to_keep, -1), None
+        next_token_hits_stopping_criteria = stop(
+            stopping_criteria, topk_running_sequences[:, :, : cur_len + 1].reshape(batch_size * beams_to_keep, -1)
         ).view(batch_size, beams_to_keep)
         running_sequences, running_beam_scores, running_beam_indices = model._get_running_beams_for_next_iteration(
             topk_log_probs=topk_log_probs,
