@@ -10,8 +10,10 @@ Measured, each in a fresh process with warm-up excluded:
 - training tokens/s: forward, backward and an Adam step on batches of 16 and 32 sentences of 8 to
   32 tokens per side; tokens = non-pad source + target tokens; plain cross-entropy for both; ours
   also with `skip_padding=False` ("ours-full"), which computes the padded positions as Marian does;
-- decoding tokens/s: greedy and beam 4 at batch 1 and 8, exactly `--new-tokens` new tokens per
-  sentence (min = max), for ours, MarianMT, ours with int8 linears (`quantize_int8`), and
+- decoding tokens/s: greedy and beam 4 at batch 1 and 32 (`--batches`), exactly `--new-tokens` new tokens per
+  sentence (min = max), for ours (the default path: fast_decoding.py's loops), "ours-hf" (transformers' own loops,
+  `fast_decoding=False`, the default before issue 29), "ours-bf16" (`--dtype auto`: bfloat16 where the CPU has
+  bf16 instructions), MarianMT, ours with int8 linears (`quantize_int8`), and
   CTranslate2 fed with each model (ours through `export_ct2`, Marian through CTranslate2's own
   Marian loader), float32 and int8; "ours-static" is ours with `cache_implementation="static"`, whose
   decoding step is compiled during the warm-up run (its time is recorded as `warmup_s`);
@@ -178,6 +180,10 @@ def load_torch_model(kind: str, paths: dict[str, str], train: bool):
         from vaswani_tx.quantization import quantize_int8
 
         model = quantize_int8(model, inplace=True)
+    if kind == "ours-bf16":  # --dtype auto: bfloat16 where the CPU has bf16 instructions, else float32
+        from vaswani_tx.precision import decoding_dtype
+
+        model = model.to(decoding_dtype("auto"))
     return model
 
 
@@ -232,6 +238,8 @@ def measure_decoding(job: dict, paths: dict[str, str]) -> list[float]:
 
         # ours-static: a static cache, and the decoding step compiled for it (compiled in the warm-up run).
         extra = {"cache_implementation": "static"} if job["model"] == "ours-static" else {}
+        if job["model"] == "ours-hf":  # transformers' own greedy and beam search loops: the default before issue 29
+            extra = {"fast_decoding": False}
 
         def decode():
             with torch.inference_mode():
@@ -277,16 +285,24 @@ def peak_rss_mib() -> float:
         return next(int(line.split()[1]) for line in status if line.startswith("VmHWM")) / 1024
 
 
-def run_job(job: dict) -> dict:
-    env = {
+def worker_env(threads: int) -> dict:
+    """A measurement process' environment: `threads` threads for torch, OpenMP and MKL; no warnings or logs."""
+    return {
         **os.environ,
-        "OMP_NUM_THREADS": str(job["threads"]),
-        "MKL_NUM_THREADS": str(job["threads"]),
+        "OMP_NUM_THREADS": str(threads),
+        "MKL_NUM_THREADS": str(threads),
         "TRANSFORMERS_VERBOSITY": "error",
         "PYTHONWARNINGS": "ignore",
+        "TOKENIZERS_PARALLELISM": "false",
     }
+
+
+def run_job(job: dict) -> dict:
     done = subprocess.run(
-        [sys.executable, __file__, "--worker", json.dumps(job)], env=env, capture_output=True, text=True
+        [sys.executable, __file__, "--worker", json.dumps(job)],
+        env=worker_env(job["threads"]),
+        capture_output=True,
+        text=True,
     )
     if done.returncode:
         raise RuntimeError(f"measurement {job} failed:\n{done.stderr[-3000:]}")
@@ -334,7 +350,7 @@ def plan(args) -> list[dict]:
     for task, beams in (("greedy", 1), ("beam4", 4)):
         if task not in args.tasks:
             continue
-        for batch in (1, 8):
+        for batch in args.batches:
             jobs += [
                 {**common, "task": task, "batch": batch, "beams": beams, "model": m}
                 for m in MODELS
@@ -345,9 +361,11 @@ def plan(args) -> list[dict]:
 
 MODELS = (
     "ours",
+    "ours-hf",
     "ours-full",
     "ours-static",
     "marian",
+    "ours-bf16",
     "ours-int8",
     "ct2-ours",
     "ct2-marian",
@@ -355,9 +373,12 @@ MODELS = (
     "ct2-marian-int8",
 )
 RATIOS = {
-    "ours": "marian",
+    "ours": "ct2-ours",
+    "ours-hf": "ct2-ours",
     "ours-full": "marian",
-    "ours-static": "marian",
+    "ours-static": "ct2-ours",
+    "marian": "ct2-ours",
+    "ours-bf16": "ct2-ours-int8",
     "ours-int8": "ct2-ours-int8",
     "ct2-ours": "ct2-marian",
     "ct2-ours-int8": "ct2-marian-int8",
@@ -440,6 +461,7 @@ def main(argv=None) -> int:
         help="run the whole plan this many times, interleaved; medians over all runs (default 1)",
     )
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS, help="default: all")
+    parser.add_argument("--batches", nargs="+", type=int, default=[1, 32], help="decoding batch sizes (default 1 32)")
     parser.add_argument("--results", type=Path, default=RESULTS, help="folder for speed.jsonl/.out.txt/.png")
     args = parser.parse_args(argv)
     if args.worker:

@@ -19,6 +19,7 @@ TRAVELLING = {
     "configuration_vaswani",
     "modeling_vaswani",
     "generation_vaswani",
+    "fast_decoding",  # the default greedy and beam search loops
     "static_decoding",
     "pipeline_vaswani",
     "tokenization_fairseq",  # converted fairseq and FSMT folders only

@@ -71,7 +71,8 @@ class GrowingKeysValues:
         end = start + key.shape[2]
         keys, values = self.keys[layer_idx], self.values[layer_idx]
         if keys is None or end > keys.shape[2]:
-            keys, values = self.keys[layer_idx], self.values[layer_idx] = _grown(keys, key, start), _grown(values, value, start)
+            keys = self.keys[layer_idx] = _grown(keys, key, start)
+            values = self.values[layer_idx] = _grown(values, value, start)
         keys[:, :, start:end] = key
         values[:, :, start:end] = value
         self.lengths[layer_idx] = end
@@ -253,8 +254,9 @@ def requested(fast: bool | None):
         _REQUEST.reset(token)
 
 
-
-def fast_decoding_applies(model: nn.Module, generation_config, model_kwargs: dict, streamer=None, synced_gpus=False) -> bool:
+def fast_decoding_applies(
+    model: nn.Module, generation_config, model_kwargs: dict, streamer=None, synced_gpus=False
+) -> bool:
     """Whether this module's loops can give this call's result: the sequences only, from a decoder prefix of ids,
     with the cache generate() made for it (an empty dynamic one)."""
     request = _REQUEST.get()

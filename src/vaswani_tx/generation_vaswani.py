@@ -265,25 +265,30 @@ class VaswaniGenerationMixin(GenerationMixin):
                 inputs, generation_config=generation_config, logits_processor=logits_processor, **kwargs
             )
 
-    def _sample(self, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=False,
-                streamer=None, **model_kwargs):
+    def _sample(
+        self,
+        input_ids,
+        logits_processor,
+        stopping_criteria,
+        generation_config,
+        synced_gpus=False,
+        streamer=None,
+        **model_kwargs,
+    ):
         """Greedy search through fast_decoding.py's loop where it applies (the same ids, faster); sampling and
         anything that asks for more than the sequences through transformers' `_sample`."""
         if fast_decoding_applies(self, generation_config, model_kwargs, streamer, synced_gpus):
-            return greedy_search(
-                self, input_ids, logits_processor, stopping_criteria, generation_config, model_kwargs
-            )
+            return greedy_search(self, input_ids, logits_processor, stopping_criteria, generation_config, model_kwargs)
         return super()._sample(
             input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus, streamer, **model_kwargs
         )
 
-    def _beam_search(self, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=False,
-                     **model_kwargs):
+    def _beam_search(
+        self, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=False, **model_kwargs
+    ):
         """Beam search through fast_decoding.py's loop where it applies, else transformers' `_beam_search`."""
         if fast_decoding_applies(self, generation_config, model_kwargs, None, synced_gpus):
-            return beam_search(
-                self, input_ids, logits_processor, stopping_criteria, generation_config, model_kwargs
-            )
+            return beam_search(self, input_ids, logits_processor, stopping_criteria, generation_config, model_kwargs)
         return super()._beam_search(
             input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus, **model_kwargs
         )

@@ -38,7 +38,10 @@ def bf16_is_fast(device: str | torch.device = "cpu") -> tuple[bool, str]:
         return False, f"bf16 is not chosen automatically on {device.type}"
     instructions = cpu_bf16_instructions()
     if instructions:
-        return True, f"this CPU has {instructions} instructions (torch capability {torch.backends.cpu.get_cpu_capability()})"
+        return (
+            True,
+            f"this CPU has {instructions} instructions (torch capability {torch.backends.cpu.get_cpu_capability()})",
+        )
     return False, (
         "this CPU has no bf16 instructions (AVX512-BF16 or AMX): bf16 would be emulated, slower than float32"
     )
@@ -59,8 +62,11 @@ def resolve_bf16_setting(value, where: str = "run config") -> bool:
     if not isinstance(value, bool):
         raise UserInputError(f"{where}: bf16 must be true, false or auto, got {value!r}")
     if value and training_device().type == "cpu" and cpu_bf16_instructions() is None:
-        logger.warning("%s: bf16: true on a CPU without bf16 instructions: emulated, slower than float32 "
-                       "(bf16: auto chooses float32 here)", where)
+        logger.warning(
+            "%s: bf16: true on a CPU without bf16 instructions: emulated, slower than float32 "
+            "(bf16: auto chooses float32 here)",
+            where,
+        )
     return value
 
 
@@ -83,8 +89,10 @@ def decoding_dtype(dtype: str | torch.dtype | None = "auto", device: str | torch
     else:
         raise UserInputError(f"dtype {dtype!r} is not one of auto, {', '.join(DTYPES)}")
     if chosen == torch.bfloat16 and torch.device(device).type == "cpu" and cpu_bf16_instructions() is None:
-        logger.warning("bfloat16 on a CPU without bf16 instructions: emulated, slower than float32 (--dtype auto "
-                       "chooses float32 here)")
+        logger.warning(
+            "bfloat16 on a CPU without bf16 instructions: emulated, slower than float32 (--dtype auto "
+            "chooses float32 here)"
+        )
     return chosen
 
 

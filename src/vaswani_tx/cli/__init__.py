@@ -144,7 +144,6 @@ def main(argv: list[str] | None = None) -> int:
         args._parser.error(f"unrecognized arguments: {' '.join(extra)}")
     from vaswani_tx.atomic import sigterm_as_interrupt
 
-
     stopped: list[int] = []  # SIGTERM raises KeyboardInterrupt, so clean-ups run as for Ctrl-C; exit 128 + 15
     try:
         with sigterm_as_interrupt(stopped), precision_choices_shown(args.command):
