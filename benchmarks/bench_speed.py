@@ -17,7 +17,9 @@ Measured, each in a fresh process with warm-up excluded:
   CTranslate2 fed with each model (ours through `export_ct2`, Marian through CTranslate2's own
   Marian loader), float32 and int8; "ours-static" is ours with `cache_implementation="static"`, whose
   decoding step is compiled during the warm-up run (its time is recorded as `warmup_s`);
-- peak memory: the process' peak resident set size (model loaded, then the runs).
+- peak memory: the process' peak resident set size (model loaded, then the runs);
+- a fresh process' first call: the model's load time ("load s") and its first `generate` / `translate_batch`
+  call ("1st s", the warm-up run of `--new-tokens` tokens), each measurement being a new process.
 Each figure is the median over `--repeats` timed runs (times `--rounds`), with min and max; the
 implementations of one setting run back to back, and `--rounds` repeats the whole plan, so that load
 from other processes on the machine hits all of them. Ratios are taken within
@@ -213,6 +215,7 @@ def measure_decoding(job: dict, paths: dict[str, str]) -> list[float]:
 
     source = batches(job["batch"], 1, seed=1)[0][0]
     new_tokens, beams = job["new_tokens"], job["beams"]
+    loading = time.perf_counter()
     if job["model"].startswith("ct2"):
         import ctranslate2
 
@@ -255,7 +258,8 @@ def measure_decoding(job: dict, paths: dict[str, str]) -> list[float]:
             assert out.shape[1] == new_tokens + 1
 
     start = time.perf_counter()
-    decode()  # warm-up
+    job["load_s"] = round(start - loading, 2)
+    decode()  # warm-up: a fresh process' first call (for ours-static, its compilation)
     job["warmup_s"] = round(time.perf_counter() - start, 2)
     speeds = []
     for _ in range(job["repeats"]):
@@ -404,7 +408,10 @@ def merge_rounds(results: list[dict]) -> list[dict]:
 
 def table(results: list[dict]) -> str:
     by_key = {(r["task"], r["batch"], r["model"]): r for r in results}
-    lines = [f"{'task':7} {'batch':>5} {'model':16} {'tokens/s median':>15} {'[min, max]':>20} {'peak MiB':>9}  ratio"]
+    lines = [
+        f"{'task':7} {'batch':>5} {'model':16} {'tokens/s median':>15} {'[min, max]':>20} {'peak MiB':>9} "
+        f"{'load s':>6} {'1st s':>6}  ratio"
+    ]
     for r in results:
         reference = RATIOS.get(r["model"])
         ratio = ""
@@ -412,7 +419,8 @@ def table(results: list[dict]) -> str:
             ratio = f"{r['median'] / by_key[(r['task'], r['batch'], reference)]['median']:.2f}x {reference}"
         spread = f"[{r['low']:.1f}, {r['high']:.1f}]"
         lines.append(
-            f"{r['task']:7} {r['batch']:>5} {r['model']:16} {r['median']:>15.1f} {spread:>20} {r['peak_rss_mib']:>9.0f}  {ratio}"
+            f"{r['task']:7} {r['batch']:>5} {r['model']:16} {r['median']:>15.1f} {spread:>20} {r['peak_rss_mib']:>9.0f} "
+            f"{r.get('load_s', float('nan')):>6.2f} {r.get('warmup_s', float('nan')):>6.2f}  {ratio}"
         )
     return "\n".join(lines)
 
