@@ -124,23 +124,14 @@ def test_the_packed_projection_follows_the_weights():
     torch.testing.assert_close(fast_decoding.PackedProjection.of(model, ids.shape[0])(hidden), model.lm_head(hidden))
 
 
-def test_int8_and_bfloat16_models_take_the_default_loops(loops):
-    """int8: the same ids as transformers' loops. bfloat16: the pre-softmax product runs as W x^T (oneDNN's faster
-    order), which rounds differently from `nn.Linear`'s x W^T in bfloat16, so the logits agree to bfloat16's
-    precision rather than bit for bit."""
+def test_int8_and_bfloat16_models_take_the_default_loops_unpacked(loops):
     ids, mask = batch()
     int8 = quantize_int8(eos_prone_model())
     fast, stock = both(int8, input_ids=ids, attention_mask=mask, num_beams=2)
     assert torch.equal(fast, stock)
     bf16 = eos_prone_model().to(torch.bfloat16)
-    projection = fast_decoding.HalfProjection.of(bf16)
-    for rows in (1, 3):
-        hidden = torch.randn(rows, bf16.config.d_model).to(torch.bfloat16)
-        expected = hidden.float() @ bf16.lm_head.weight.float().t()
-        torch.testing.assert_close(projection(hidden), expected, rtol=2e-2, atol=2e-2)
-        assert projection(hidden).dtype == torch.float32
-    output = bf16.generate(input_ids=ids, attention_mask=mask, num_beams=1, max_new_tokens=5)
-    assert output.shape[0] == ids.shape[0]
+    fast, stock = both(bf16, input_ids=ids, attention_mask=mask, num_beams=1)
+    assert torch.equal(fast, stock)
     assert loops == ["beam_search", "greedy_search"]
 
 

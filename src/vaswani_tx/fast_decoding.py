@@ -190,31 +190,6 @@ class PackedProjection:
         return entry
 
 
-class HalfProjection:
-    """x W^T for a bfloat16 or float16 pre-softmax matrix on CPU, as W x^T: oneDNN multiplies the row-major (V, D)
-    matrix from the left about twice as fast as `nn.Linear`'s product with its transpose (3.8 -> 1.7 ms for 2-16
-    rows, 10 -> 4.5 ms for 128, base shape, one core; a matrix-vector product for one row, 5.0 -> 2.0 ms). Logits
-    in float32, as transformers' loops take them."""
-
-    def __init__(self, weight: torch.Tensor):
-        self.weight = weight
-
-    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
-        rows = hidden.reshape(-1, hidden.shape[-1])
-        if rows.shape[0] == 1:
-            return torch.mv(self.weight, rows[0]).float()[None]
-        product = torch.matmul(self.weight, rows.t())  # (V, rows)
-        return torch.empty(product.shape[::-1], dtype=torch.float32, device=product.device).copy_(product.t())
-
-    @classmethod
-    def of(cls, model: nn.Module):
-        head = model.get_output_embeddings()
-        weight = getattr(head, "weight", None)
-        if type(head) is not nn.Linear or head.bias is not None or weight.device.type != "cpu":
-            return None
-        return cls(weight) if weight.dtype in (torch.bfloat16, torch.float16) else None
-
-
 def _fingerprint(weight: torch.Tensor) -> tuple:
     return (id(weight), weight._version, weight.data_ptr())
 
@@ -233,7 +208,7 @@ class DecodingSession:
         self.sources = encoder_output[::rows_per_source]
         self.source_mask = mask[::rows_per_source] if mask is not None else None
         self.cache = DecodingCache(model.config.num_decoder_layers)
-        self.projection = PackedProjection.of(model, encoder_output.shape[0]) or HalfProjection.of(model)
+        self.projection = PackedProjection.of(model, encoder_output.shape[0])
         self.final_bias = getattr(model, "final_logits_bias", None) if model.config.final_logits_bias else None
 
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -250,7 +225,7 @@ class DecodingSession:
         if self.projection is None:
             return self.model.project(hidden).float()
         logits = self.projection(hidden)
-        return logits + self.final_bias.float() if self.final_bias is not None else logits
+        return logits + self.final_bias if self.final_bias is not None else logits
 
     def select(self, sources: torch.Tensor, rows: torch.Tensor | None = None) -> None:
         """Keep these sources, and of the decoder's rows these (default: the sources' own, one row each): the
