@@ -87,10 +87,14 @@ class SourceLengthCap(LogitsProcessor):
             self.prompt_length = input_ids.shape[1]  # the decoder start token (and any forced prefix)
         generated = input_ids.shape[1] - self.prompt_length
         limits = self.max_tokens.to(scores.device).repeat_interleave(input_ids.shape[0] // self.max_tokens.numel())
-        at_limit = (generated + 1 >= limits)[:, None]  # the next token is the last one allowed
-        only_eos = torch.full_like(scores, -float("inf"))
-        only_eos[:, self.eos_token_id] = scores[:, self.eos_token_id] if self.score_forced_eos else 0.0
-        return torch.where(at_limit, only_eos, scores)
+        at_limit = (generated + 1 >= limits).nonzero().squeeze(1)  # rows whose next token is the last one allowed
+        if at_limit.numel() == 0:  # most steps: nothing to change, and no (rows, V) tensor written
+            return scores
+        eos = scores[at_limit, self.eos_token_id] if self.score_forced_eos else 0.0
+        capped = scores.clone()
+        capped[at_limit] = -float("inf")
+        capped[at_limit, self.eos_token_id] = eos
+        return capped
 
 
 def paper_generation_config(config) -> GenerationConfig:

@@ -1,0 +1,244 @@
+"""Translating real test sets with a trained model: ours (through `translate` and through `pipeline`) against
+CTranslate2 (`translate_batch` on the same weights, exported with `vaswani-tx export-ct2`), in one run.
+
+    PYTHONPATH=src .venv/bin/python benchmarks/bench_translate.py runs/multi30k-en-de/averaged \\
+        [--data ../shared/data] [--threads 1 2] [--sets multi30k newstest2013] [--limit N]
+
+Sets: Multi30k val (1,014 sentences, the main job's domain) and newstest2013 (3,000, WMT news: out of the main
+job's domain, so its BLEU is low, but its sentences are long, which is what the timing needs).
+Implementations, each in a fresh process (nothing warm), each decoding with the model's saved settings
+(beam 4, alpha 0.6, source length + 50):
+- translate:       `Translator.translate` (what `vaswani-tx translate MODEL -i FILE` runs), float32;
+- translate-auto:  the same with `--dtype auto` (bfloat16 where the CPU has bf16 instructions);
+- translate-int8:  the same with `--int8`;
+- pipeline:        `pipeline("translation", model=MODEL, trust_remote_code=True)`, 32 sentences a call;
+- ct2, ct2-int8:   CTranslate2 `translate_batch` with `ct2_decoding_options` (its length penalty is |Y|^alpha,
+                   not the GNMT form: the one difference in settings), float32 and int8 (its best CPU types;
+                   CTranslate2 offers no bfloat16 on CPU).
+Per job: sentences/s and tokens/s (output subword tokens, counted with the model's tokenizer for every
+implementation, over the translation time, model loading excluded), the first sentence's latency in a fresh
+process (from the model loaded to the first translation back), the load time, the process' peak memory
+(VmHWM), and the cased sacreBLEU of the output (13a). Results are appended to
+benchmarks/results/translate.jsonl and printed as a table with the CPU's flags and the load average.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+from bench_speed import peak_rss_mib, worker_env  # this folder's: the same measurement processes
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "benchmarks" / "results"
+SETS = {
+    "multi30k": ("multi30k-en-de/val.en", "multi30k-en-de/val.de"),
+    "newstest2013": ("newstest2013-en-de/dev.en", "newstest2013-en-de/dev.de"),
+}
+IMPLEMENTATIONS = ("translate", "translate-auto", "translate-int8", "pipeline", "ct2", "ct2-int8")
+PIPELINE_BATCH = 32
+
+
+def read_lines(path: Path, limit: int | None) -> list[str]:
+    lines = path.read_text(encoding="utf-8").splitlines()
+    return lines[:limit] if limit else lines
+
+
+# ---- one job, in its own process ------------------------------------------------------------------------
+
+
+def load(job: dict):
+    """The implementation's translate function, lines -> hypotheses, and the tokenizer that counts tokens."""
+    import torch
+    from transformers import AutoTokenizer
+
+    import vaswani_tx
+
+    vaswani_tx.register_auto_classes()  # the tokenizer's and model's classes, without trust_remote_code's prompt
+    torch.set_num_threads(job["threads"])
+    impl, model = job["impl"], job["model"]
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    if impl.startswith("translate"):
+        from vaswani_tx.translation import load_translator
+
+        dtype = "auto" if impl == "translate-auto" else None
+        translator = load_translator(model, device="cpu", dtype=dtype, int8=impl == "translate-int8")
+        return (lambda lines: translator.translate(lines, progress=False)), tokenizer
+    if impl == "pipeline":
+        from transformers import pipeline
+
+        translator = pipeline("translation", model=model, trust_remote_code=True, device="cpu")
+
+        def translate(lines):
+            return [out["translation_text"] for out in translator(lines, batch_size=PIPELINE_BATCH)]
+
+        return translate, tokenizer
+    import ctranslate2
+
+    from vaswani_tx.export import ct2_decoding_options
+
+    folder = job["ct2"]
+    compute_type = "int8" if impl == "ct2-int8" else "float32"
+    translator = ctranslate2.Translator(folder, device="cpu", compute_type=compute_type, intra_threads=job["threads"])
+
+    def translate(lines):
+        sources = [tokenizer.convert_ids_to_tokens(tokenizer(line).input_ids) for line in lines]
+        results = translator.translate_batch(
+            sources, max_batch_size=4096, batch_type="tokens", **ct2_decoding_options(folder, sources)
+        )
+        ids = [tokenizer.convert_tokens_to_ids(r.hypotheses[0]) for r in results]
+        return tokenizer.batch_decode(ids, skip_special_tokens=True)
+
+    return translate, tokenizer
+
+
+def worker(job: dict) -> None:
+    start = time.perf_counter()
+    translate, tokenizer = load(job)
+    loaded = time.perf_counter()
+    lines = read_lines(Path(job["source"]), job["limit"])
+    first = translate(lines[:1])  # a fresh process' first sentence: every lazy set-up it needs included
+    first_s = time.perf_counter() - loaded
+    start_all = time.perf_counter()
+    hypotheses = translate(lines)
+    seconds = time.perf_counter() - start_all
+    tokens = sum(len(tokenizer(h, add_special_tokens=False).input_ids) + 1 for h in hypotheses)  # + </s>
+    import sacrebleu
+
+    references = read_lines(Path(job["reference"]), job["limit"])
+    print(
+        json.dumps(
+            {
+                "load_s": round(loaded - start, 2),
+                "first_sentence_s": round(first_s, 3),
+                "first": first[0],
+                "seconds": round(seconds, 2),
+                "sentences_per_s": round(len(lines) / seconds, 2),
+                "tokens_per_s": round(tokens / seconds, 1),
+                "bleu": round(sacrebleu.corpus_bleu(hypotheses, [references]).score, 2),
+                "peak_rss_mib": round(peak_rss_mib()),
+            }
+        )
+    )
+
+
+def run_job(job: dict) -> dict:
+    done = subprocess.run(
+        [sys.executable, __file__, "--worker", json.dumps(job)],
+        env=worker_env(job["threads"]),
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+    )
+    if done.returncode:
+        raise RuntimeError(f"job {job['impl']} on {job['set']} failed:\n{done.stderr[-3000:]}")
+    return {**job, **json.loads(done.stdout.strip().splitlines()[-1])}
+
+
+# ---- the run ------------------------------------------------------------------------------------------------
+
+
+def machine() -> dict:
+    import ctranslate2
+    import torch
+
+    from vaswani_tx.precision import cpu_bf16_instructions
+
+    cpu, flags = platform.processor(), []
+    with open("/proc/cpuinfo") as cpuinfo:
+        for line in cpuinfo:
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+            if line.startswith("flags"):
+                flags = [f for f in line.split(":", 1)[1].split() if f.startswith(("avx", "amx", "fma"))]
+                break
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "flags": flags,
+        "bf16_instructions": cpu_bf16_instructions(),
+        "load_average": [round(x, 2) for x in os.getloadavg()],
+        "torch": torch.__version__,
+        "ctranslate2": ctranslate2.__version__,
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "model", nargs="?", help="a trained model folder (the main job's: runs/multi30k-en-de/averaged)"
+    )
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--data", type=Path, default=REPO.parent / "shared" / "data")
+    parser.add_argument("--sets", nargs="+", default=list(SETS), choices=SETS)
+    parser.add_argument("--impls", nargs="+", default=list(IMPLEMENTATIONS), choices=IMPLEMENTATIONS)
+    parser.add_argument("--threads", nargs="+", type=int, default=[1, 2])
+    parser.add_argument("--limit", type=int, help="the first N sentences of each set only")
+    parser.add_argument("--results", type=Path, default=RESULTS)
+    args = parser.parse_args()
+    if args.worker:
+        return worker(json.loads(args.worker))
+    if not args.model:
+        parser.error("give the model folder")
+    from vaswani_tx.export import export_ct2
+
+    about = machine()
+    print(json.dumps(about))
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        ct2 = Path(tmp) / "ct2"
+        export_ct2(args.model, ct2)
+        for name in args.sets:
+            source, reference = (str(args.data / part) for part in SETS[name])
+            for threads in args.threads:
+                for impl in args.impls:  # the implementations of one setting back to back: load hits them alike
+                    job = dict(
+                        impl=impl,
+                        set=name,
+                        threads=threads,
+                        model=str(args.model),
+                        ct2=str(ct2),
+                        source=source,
+                        reference=reference,
+                        limit=args.limit,
+                    )
+                    row = run_job(job)
+                    row["load_average"] = round(os.getloadavg()[0], 2)
+                    rows.append(row)
+                    print(
+                        f"{name:13} {threads}t {impl:15} {row['sentences_per_s']:7.2f} sent/s {row['tokens_per_s']:8.1f} "
+                        f"tok/s  first {row['first_sentence_s']:5.2f} s  load {row['load_s']:5.2f} s  "
+                        f"{row['peak_rss_mib']:5d} MiB  BLEU {row['bleu']:5.2f}  (load avg {row['load_average']})",
+                        flush=True,
+                    )
+    args.results.mkdir(parents=True, exist_ok=True)
+    with open(args.results / "translate.jsonl", "a", encoding="utf-8") as out:
+        out.write(json.dumps({"machine": about, "rows": rows}) + "\n")
+    print_ratios(rows)
+
+
+def print_ratios(rows: list[dict]) -> None:
+    """Each implementation's sentences/s over CTranslate2's at the same precision, set and threads."""
+    peer = {"translate": "ct2", "pipeline": "ct2", "translate-auto": "ct2-int8", "translate-int8": "ct2-int8"}
+    index = {(r["set"], r["threads"], r["impl"]): r for r in rows}
+    print("\nratio to CTranslate2 (sentences/s; translate-auto and translate-int8 against CTranslate2 int8):")
+    for (name, threads, impl), row in index.items():
+        other = index.get((name, threads, peer.get(impl, "")))
+        if other:
+            print(
+                f"{name:13} {threads}t {impl:15} {row['sentences_per_s'] / other['sentences_per_s']:.2f}x "
+                f"{other['impl']}  (BLEU {row['bleu']:.2f} vs {other['bleu']:.2f})"
+            )
+
+
+if __name__ == "__main__":
+    main()
