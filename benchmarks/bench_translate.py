@@ -25,17 +25,17 @@ benchmarks/results/translate.jsonl and printed as a table with the CPU's flags a
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
-from bench_speed import peak_rss_mib, worker_env  # this folder's: the same measurement processes
+from bench_speed import machine as speed_machine  # this folder's: the same measurement processes
+from bench_speed import peak_rss_mib, worker_env
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
@@ -146,30 +146,15 @@ def run_job(job: dict) -> dict:
 # ---- the run ------------------------------------------------------------------------------------------------
 
 
-def machine() -> dict:
-    import ctranslate2
-    import torch
-
+def machine(threads: list[int]) -> dict:
+    """bench_speed's description of the machine, with the CPU's vector and matrix flags and its bf16 instructions."""
     from vaswani_tx.precision import cpu_bf16_instructions
 
-    cpu, flags = platform.processor(), []
-    with open("/proc/cpuinfo") as cpuinfo:
-        for line in cpuinfo:
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-            if line.startswith("flags"):
-                flags = [f for f in line.split(":", 1)[1].split() if f.startswith(("avx", "amx", "fma"))]
-                break
-    return {
-        "cpu": cpu,
-        "cores": os.cpu_count(),
-        "flags": flags,
-        "bf16_instructions": cpu_bf16_instructions(),
-        "load_average": [round(x, 2) for x in os.getloadavg()],
-        "torch": torch.__version__,
-        "ctranslate2": ctranslate2.__version__,
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-    }
+    flags = []
+    with contextlib.suppress(OSError, StopIteration), open("/proc/cpuinfo") as cpuinfo:
+        line = next(line for line in cpuinfo if line.startswith("flags"))
+        flags = [f for f in line.split(":", 1)[1].split() if f.startswith(("avx", "amx", "fma"))]
+    return {**speed_machine(threads), "flags": flags, "bf16_instructions": cpu_bf16_instructions()}
 
 
 def main() -> None:
@@ -191,7 +176,7 @@ def main() -> None:
         parser.error("give the model folder")
     from vaswani_tx.export import export_ct2
 
-    about = machine()
+    about = machine(args.threads)
     print(json.dumps(about))
     rows = []
     with tempfile.TemporaryDirectory() as tmp:

@@ -42,7 +42,7 @@ from transformers.generation.logits_process import (
 )
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 
-from .static_decoding import CACHE_FIELD, is_static_cache
+from .static_decoding import CACHE_FIELD, _Keys, is_static_cache
 
 # --- the cache ---------------------------------------------------------------------------------------------------
 
@@ -105,17 +105,12 @@ def _grown(buffer: torch.Tensor | None, new: torch.Tensor, written: int) -> torc
     return grown
 
 
-class _KeysValues:
-    def __init__(self):
-        self.keys = self.values = None
-
-
 class SourceKeysValues:
     """The encoder-decoder keys and values of every layer, computed at the first step and kept, one row per
     source: the beams of a source attend to them as one block of queries (`MultiHeadAttention`)."""
 
     def __init__(self, num_layers: int):
-        self.layers = [_KeysValues() for _ in range(num_layers)]
+        self.layers = [_Keys(None, None) for _ in range(num_layers)]
 
     def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs):
         layer = self.layers[layer_idx]

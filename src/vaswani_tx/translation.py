@@ -128,14 +128,6 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     return resolved
 
 
-def resolve_dtype(dtype: str | torch.dtype | None, device: str | torch.device = "cpu") -> torch.dtype | None:
-    """A dtype name ("auto": bfloat16 where this device has fast bf16, else float32; precision.py), a torch.dtype,
-    or None (the saved weights' dtype)."""
-    from vaswani_tx.precision import decoding_dtype
-
-    return decoding_dtype(dtype, device)
-
-
 @dataclass
 class Translator:
     """A model and its tokenizer, ready to translate lines in batches (see the module docstring)."""
@@ -246,6 +238,7 @@ def load_translator(
     from transformers import AutoTokenizer
 
     from vaswani_tx.modeling_vaswani import VaswaniForConditionalGeneration
+    from vaswani_tx.precision import decoding_dtype  # "auto": bfloat16 where the device has fast bf16
     from vaswani_tx.tokenization_fairseq import FairseqTokenizer  # noqa: F401  (registered with AutoTokenizer)
 
     folder = Path(folder)
@@ -260,7 +253,7 @@ def load_translator(
     device = resolve_device(device)
     if int8 and (device.type != "cpu" or dtype not in (None, "float32", torch.float32)):
         raise UserInputError(f"int8 decoding runs on the CPU from float32 weights, not on {device} in {dtype}")
-    model = VaswaniForConditionalGeneration.from_pretrained(folder, dtype=resolve_dtype(dtype, device))
+    model = VaswaniForConditionalGeneration.from_pretrained(folder, dtype=decoding_dtype(dtype, device))
     try:
         check_tokenizer_fits_model(tokenizer, model.config)
     except UserInputError as err:
