@@ -462,3 +462,158 @@ def test_parse_command_reports_bad_trees_with_file_and_line(tmp_path, capsys):
     assert f"error: {bad}:2:1: '(' opened here is never closed" in capsys.readouterr().err
     assert main(["parse", "score", str(good), str(tmp_path / "missing.mrg")]) == 2
     assert "missing.mrg does not exist" in capsys.readouterr().err
+
+
+# --- rare and unseen words as classes (unknown_words: classes) --------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "word, expected",
+    [
+        ("dog", "<unk>"),
+        ("running", "<unk-ing>"),
+        ("Smithfield", "<unk-CAP>"),
+        ("Cheerfully", "<unk-CAP-ly>"),
+        ("iPhones", "<unk-MIXCAP-s>"),
+        ("1,234", "<unk-DIG>"),
+        ("B-52s", "<unk-CAP-DIG-DASH>"),
+        ("well-meaning", "<unk-DASH-ing>"),
+        ("is", "<unk>"),  # a suffix needs a stem of two letters or more
+    ],
+)
+def test_word_class_is_the_shape_of_the_word(word, expected):
+    assert parsing.word_class(word) == expected
+    assert not parsing.word_class(word).startswith(("(", ")"))
+
+
+def test_known_words_keep_the_frequent_ones_that_fit_beside_brackets_and_classes():
+    trees = [parse_tree(t) for t in TINY_TREES * 2] + [parse_tree("(S (NP (NNP Kim)) (VP (VBD walked)))")]
+    # seen twice or more: the dog runs . a cat sleeps on mat it rains big (11); once: Kim walked
+    every = parsing.known_words(trees, vocab_size=1000, reserved=4)
+    assert every == {"the", "dog", "runs", ".", "a", "cat", "sleeps", "on", "mat", "it", "rains", "big"}
+    # 4 special tokens, 8 brackets, and room for 7: the classes <unk-CAP> and <unk-ed> (Kim, walked), then <unk-s> once
+    # runs/sleeps/rains are left out, so 4 words; the most frequent first (the 6, "." and dog 4), ties by spelling
+    tight = parsing.known_words(trees, vocab_size=4 + 8 + 7, reserved=4, copies=2)
+    assert tight == {"the", ".", "dog", "a"}
+    # written once each (copies=1) the two classes fall under the trainer's min_count and take no place
+    assert len(parsing.known_words(trees, vocab_size=4 + 8 + 7, reserved=4)) == 6
+    mapped = parsing.replace_rare_words(trees[-1], tight)
+    assert mapped.words() == ["<unk-CAP>", "<unk-ed>"] and str(trees[-1]).count("Kim") == 1
+
+
+def test_parse_run_with_word_classes_learns_them_and_parses_unseen_words(tmp_path, monkeypatch):
+    from transformers import GenerationConfig
+
+    from vaswani_tx.cli import main
+    from vaswani_tx.tokenization import load_tokenizer
+
+    monkeypatch.chdir(tmp_path)
+    trees = TINY_TREES * 3 + ["(S (NP (NNP Kim)) (VP (VBD walked)))", "(S (NP (NNP Lee)) (VP (VBD talked)))"]
+    Path("trees.txt").write_text("".join(t + "\n" for t in trees), encoding="utf-8")
+    Path("test.mrg").write_text("(S (NP (NNP Pat)) (VP (VBD jumped) (. .)))\n", encoding="utf-8")
+    config = json.loads((REPO / "configs" / "model" / "tiny-cpu.json").read_text())
+    # 4 special tokens, 8 brackets, 12 words seen 3 times or more, 2 classes: 26; 24 leaves room for 10 words only
+    Path("model.json").write_text(json.dumps({**config, "vocab_size": 24, "d_model": 16, "d_ff": 24}))
+    run_config = yaml.safe_load((REPO / "configs" / "train" / "wsj-parse-cpu.yaml").read_text())
+    run_config.update(
+        model_config="model.json", tokenizer="run/tokenizer", output_dir="run", max_steps=2, warmup_steps=1,
+        save_steps=2, eval_steps=2, report_to="none", train_source="data/train.words",
+        train_target="data/train.tree", dev_source="data/dev.words", dev_target="data/dev.tree",
+    )  # fmt: skip
+    run_config["generation"] = {**run_config["generation"], "num_beams": 2, "unknown_words": "classes"}
+    Path("run.yaml").write_text(yaml.safe_dump(run_config))
+    argv = ["parse", "run", "run.yaml", "--train", "trees.txt", "--dev", "trees.txt", "--test", "test.mrg"]
+    assert main(argv) == 0
+    # words seen once are written as their classes, which the vocabulary then holds
+    assert Path("data/train.words").read_text().splitlines()[-2:] == ["<unk-CAP> <unk-ed>"] * 2
+    vocabulary = load_tokenizer("run/tokenizer").get_vocab()
+    assert {"<unk-CAP>", "<unk-ed>"} <= set(vocabulary) and len(vocabulary) == 24
+    # the two least frequent words (ties by spelling) are classes too: <unk> and <unk-s> for "sleeps"
+    assert "it rains" not in Path("data/train.words").read_text() and "<unk-s>" in vocabulary
+    assert GenerationConfig.from_pretrained("run/averaged").unknown_words == "classes"
+    # the unseen words are read as classes and the tree keeps the words themselves
+    assert read_treebank("run/test.parsed")[0].words() == ["Pat", "jumped", "."]
+    from vaswani_tx.tree_decoding import _with_classes
+
+    tokenizer = load_tokenizer("run/tokenizer")
+    assert _with_classes([["Pat", "jumped", "the", "zzz"]], tokenizer) == [["<unk-CAP>", "<unk-ed>", "the", "<unk>"]]
+
+
+def test_bad_unknown_words_setting_is_refused_before_training(tmp_path, capsys):
+    from vaswani_tx.cli import main
+
+    (tmp_path / "trees.txt").write_text("".join(t + "\n" for t in TINY_TREES), encoding="utf-8")
+    argv = [
+        "parse",
+        "run",
+        str(REPO / "configs" / "train" / "wsj-parse-cpu.yaml"),
+        "--train",
+        str(tmp_path / "trees.txt"),
+    ]
+    argv += ["--dev", str(tmp_path / "trees.txt"), "--test", str(tmp_path / "trees.txt")]
+    argv += [f"output_dir={tmp_path / 'run'}", f"tokenizer={tmp_path / 'tok'}", "generation={unknown_words: rare}"]
+    assert main(argv) == 2
+    assert "unknown_words='rare' is not one of ('unk', 'classes')" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
+
+
+# --- determinism: the same run twice gives the same bytes -------------------------------------------------------
+
+
+def _parse_run_in(folder: Path, seed: str) -> None:
+    import os
+    import subprocess
+    import sys
+
+    folder.mkdir()
+    trees = [t for t in TINY_TREES * 4] + ["(S (NP (NNP Kim)) (VP (VBD walked)) (. .))"]
+    (folder / "trees.txt").write_text("".join(t + "\n" for t in trees), encoding="utf-8")
+    config = json.loads((REPO / "configs" / "model" / "tiny-cpu.json").read_text())  # dropout 0.1: random masks
+    # 4 special tokens, 8 brackets, 14 words (Kim and walked twice: as source and leaf)
+    (folder / "model.json").write_text(json.dumps({**config, "vocab_size": 26, "d_model": 32, "d_ff": 64}))
+    run_config = yaml.safe_load((REPO / "configs" / "train" / "wsj-parse-cpu.yaml").read_text())
+    run_config.update(
+        model_config="model.json", tokenizer="run/tokenizer", output_dir="run", max_steps=6, warmup_steps=2,
+        save_steps=2, eval_steps=3, max_tokens=40, report_to="none", train_source="data/train.words",
+        train_target="data/train.tree", dev_source="data/dev.words", dev_target="data/dev.tree",
+    )  # fmt: skip
+    run_config["generation"] = {**run_config["generation"], "num_beams": 3}
+    (folder / "run.yaml").write_text(yaml.safe_dump(run_config))
+    # a fresh process each, with its own string hashing: nothing may depend on set or dict order
+    env = {**os.environ, "PYTHONHASHSEED": seed, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    argv = ["parse", "run", "run.yaml", "--train", "trees.txt", "--dev", "trees.txt", "--test", "trees.txt"]
+    done = subprocess.run(
+        [sys.executable, "-m", "vaswani_tx.cli", *argv], cwd=folder, env=env, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+def _without_times(value):
+    """A trainer state or log with the wall-clock fields (runtimes, rates, minutes, seconds) left out."""
+    if isinstance(value, dict):
+        timed = ("runtime", "per_second", "minutes", "seconds")
+        return {k: _without_times(v) for k, v in value.items() if not any(t in k for t in timed)}
+    if isinstance(value, list):
+        return [_without_times(v) for v in value]
+    return value
+
+
+def test_two_parse_runs_give_the_same_checkpoints_byte_for_byte_and_the_same_f1(tmp_path):
+    _parse_run_in(tmp_path / "one", "1")
+    _parse_run_in(tmp_path / "two", "2")
+    one, two = tmp_path / "one", tmp_path / "two"
+    files = sorted(p.relative_to(one) for p in one.rglob("*") if p.is_file())
+    assert files == sorted(p.relative_to(two) for p in two.rglob("*") if p.is_file())
+    assert any(p.name == "optimizer.pt" for p in files) and Path("run/averaged/model.safetensors") in files
+    timed = {"trainer_state.json", "log_history.json", "parse_scores.json", "averaged_from.json"}
+    for path in files:
+        if path.name in timed:
+            assert _without_times(json.loads((one / path).read_text())) == _without_times(
+                json.loads((two / path).read_text())
+            ), path
+        elif path.suffix not in (".png", ".bin"):  # the plot's metadata; training_args.bin holds no result
+            assert (one / path).read_bytes() == (two / path).read_bytes(), path
+    scores = json.loads((one / "run" / "parse_scores.json").read_text())
+    assert scores["f1"] == json.loads((two / "run" / "parse_scores.json").read_text())["f1"]
+    dev_f1 = [e for e in json.loads((one / "run" / "log_history.json").read_text()) if "eval_bracket_f1" in e]
+    assert [e["step"] for e in dev_f1] == [3, 6]

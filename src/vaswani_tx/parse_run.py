@@ -21,21 +21,33 @@ from typing import Any
 from vaswani_tx.atomic import write_text
 from vaswani_tx.checkpoints import refuse_earlier_run
 from vaswani_tx.errors import UserInputError
-from vaswani_tx.parsing import TREE_LEAVES, Tree, bracket_f1, read_treebank, write_examples, write_trees
+from vaswani_tx.params import load_model_config
+from vaswani_tx.parsing import (
+    TREE_LEAVES,
+    UNKNOWN_WORDS,
+    Tree,
+    bracket_f1,
+    known_words,
+    read_treebank,
+    replace_rare_words,
+    write_examples,
+    write_trees,
+)
 from vaswani_tx.recipe import set_generation_defaults, train
 from vaswani_tx.run_config import RecipeConfig, load_run_config
-from vaswani_tx.tokenization import load_tokenizer
+from vaswani_tx.tokenization import SPECIAL_TOKENS, load_tokenizer
 from vaswani_tx.tree_decoding import DevBracketF1Callback, TreeConstraint, parse
 
 logger = logging.getLogger(__name__)
 
-# The generation fields of a parser beside GenerationConfig's: the leaves of its target trees (TREE_LEAVES).
-PARSER_GENERATION_FIELDS = ("tree_leaves",)
+# The generation fields of a parser beside GenerationConfig's: the leaves of its target trees (TREE_LEAVES) and what
+# a word outside the vocabulary becomes (UNKNOWN_WORDS).
+PARSER_GENERATION_FIELDS = ("tree_leaves", "unknown_words")
 
 
 def set_parser_generation_defaults(model, values: dict[str, Any]) -> None:
     """:func:`~vaswani_tx.recipe.set_generation_defaults` for a parser: ``values`` may also hold
-    ``tree_leaves`` (what :func:`run_recipe` has the training run save)."""
+    ``tree_leaves`` and ``unknown_words`` (what :func:`run_recipe` has the training run save)."""
     set_generation_defaults(model, values, PARSER_GENERATION_FIELDS)
 
 
@@ -56,6 +68,25 @@ def _check_constrainable(recipe: RecipeConfig, leaves: str, config: str | os.Pat
             f"and this config trains a {recipe.tokenizer_kind} one: set tokenizer_kind: word, or give "
             "--unconstrained (the paper's plain beam search, repaired into trees)"
         )
+
+
+def _known_words(recipe: RecipeConfig, train: Sequence[Tree]) -> set[str]:
+    """The training words kept whole under ``unknown_words: classes``: those of the run's tokenizer when it
+    exists (a resumed run, or one given), else those its word-level vocabulary will keep
+    (:func:`~vaswani_tx.parsing.known_words`), so that what training sees as a class is what decoding
+    (:func:`~vaswani_tx.tree_decoding.parse`) maps to one."""
+    if (Path(recipe.tokenizer) / "tokenizer.json").is_file():
+        return set(load_tokenizer(recipe.tokenizer).get_vocab())
+    vocab_size = recipe.tokenizer_vocab_size or load_model_config(recipe.model_config).vocab_size
+    copies = 2 if (recipe.generation or {}).get("tree_leaves", "XX") == "words" else 1  # source, and target leaves
+    known = known_words(train, vocab_size, reserved=len(SPECIAL_TOKENS), copies=copies)
+    words = {word for tree in train for word in tree.words()}
+    logger.info(
+        "unknown_words: classes: %d of the %d training words kept whole, the others by their shape (word_class)",
+        len(known),
+        len(words),
+    )
+    return known
 
 
 def run_recipe(
@@ -83,7 +114,10 @@ def run_recipe(
     bracketing F1 (greedy, :class:`~vaswani_tx.tree_decoding.DevBracketF1Callback`), drawn in ``curves.png``.
     ``constrained`` decodes with :class:`~vaswani_tx.tree_decoding.TreeConstraint` (see
     :func:`~vaswani_tx.tree_decoding.parse`). The target trees' leaves are ``XX`` or, with ``tree_leaves: words``
-    in the config's ``generation:`` block (saved with the model), the words themselves.
+    in the config's ``generation:`` block (saved with the model), the words themselves. With
+    ``unknown_words: classes`` there, the training words that the vocabulary cannot keep whole, and every
+    word seen once, are written as their class (:func:`~vaswani_tx.parsing.word_class`), and decoding maps
+    any word outside the vocabulary the same way.
     Under several processes every process trains and process 0 alone parses and scores. An ``output_dir``
     holding another run's results is refused, before any file is written, unless ``force`` (see
     :func:`~vaswani_tx.recipe.train`).
@@ -94,6 +128,11 @@ def run_recipe(
     leaves = (recipe.generation or {}).get("tree_leaves", "XX")
     if leaves not in TREE_LEAVES:
         raise UserInputError(f"run config {config}: generation: tree_leaves={leaves!r} is not one of {TREE_LEAVES}")
+    unknown = (recipe.generation or {}).get("unknown_words", "unk")
+    if unknown not in UNKNOWN_WORDS:
+        raise UserInputError(
+            f"run config {config}: generation: unknown_words={unknown!r} is not one of {UNKNOWN_WORDS}"
+        )
     if constrained:  # found now, not after hours of training: the test parse needs whole bracket tokens
         _check_constrainable(recipe, leaves, config)
     refuse_earlier_run(recipe, arguments, force)  # before the linearised files are written
@@ -101,6 +140,7 @@ def run_recipe(
     if not test:
         raise UserInputError(f"no trees in the test files {' '.join(map(str, test_trees))}")
     dev: list[Tree] = []
+    known: set[str] | None = None
     with arguments.main_process_first(local=False, desc="treebank"):  # process 0 writes, the others wait
         for name, patterns, source, target in (
             ("train", train_trees, recipe.train_source, recipe.train_target),
@@ -112,9 +152,12 @@ def run_recipe(
                 trees = read_treebank(patterns)
                 if not trees:
                     raise UserInputError(f"no trees in the {name} files {' '.join(map(str, patterns))}")
+                dev = trees if name == "dev" else dev
+                if unknown == "classes":
+                    known = _known_words(recipe, trees) if known is None else known
+                    trees = [replace_rare_words(tree, known) for tree in trees]
                 count = write_examples(trees, source, target, words=leaves == "words")
                 logger.info("%s: %d trees -> %s, %s", name, count, source, target)
-                dev = trees if name == "dev" else dev
     callbacks = [DevBracketF1Callback(dev, constrained=constrained)] if arguments.eval_strategy != "no" else []
     metrics = train(
         recipe, arguments, resume=resume, callbacks=callbacks, generation_fields=PARSER_GENERATION_FIELDS, force=force

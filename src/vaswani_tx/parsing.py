@@ -17,6 +17,9 @@ score) ``vaswani_tx.parse_run``:
 - :func:`bracket_f1` is the EVALB scorer (``COLLINS.prm``: punctuation and root ignored, ADVP = PRT);
   the same code is the ``vaswani_parseval`` evaluate module (``evaluation.load_metric("vaswani_parseval")``).
 - :func:`write_examples` and :func:`write_trees` write the line-aligned training files and EVALB's input.
+- :func:`word_class`, :func:`known_words` and :func:`replace_rare_words`: rare and unseen words as classes
+  of their shape (``unknown_words: classes``), so that a word outside the vocabulary still tells the model
+  that it is capitalised, a number or ends in ``-ing``.
 
 The target sequence (Vinyals et al., 2015, Section 2): ``(S (NP XX XX )NP (VP XX (NP XX )NP )VP XX )S``
 for ``(S (NP (DT The) (NN dog)) (VP (VBZ chased) (NP (PRP it))) (. .))``. Each constituent opens with
@@ -45,7 +48,8 @@ import glob
 import logging
 import os
 import re
-from collections.abc import Iterable, Sequence
+from collections import Counter
+from collections.abc import Collection, Iterable, Sequence
 from pathlib import Path
 
 from vaswani_tx.atomic import write_text
@@ -62,6 +66,7 @@ from vaswani_tx.metrics.vaswani_parseval.vaswani_parseval import (
 __all__ = [
     "PLACEHOLDER",
     "TREE_LEAVES",
+    "UNKNOWN_WORDS",
     "Tree",
     "TreebankFormatError",
     "bracket_f1",
@@ -70,9 +75,12 @@ __all__ = [
     "normalize_tree",
     "parse_tree",
     "read_treebank",
+    "known_words",
     "read_trees",
+    "replace_rare_words",
     "replace_tags",
     "tree_to_example",
+    "word_class",
     "write_examples",
     "write_trees",
 ]
@@ -84,6 +92,13 @@ PLACEHOLDER = "XX"  # Vinyals et al. (2015): every POS tag, and so every word, b
 # "words", the sentence's own words, which the decoder then reads back as it writes the tree: where it is in the
 # sentence is in its input, not a count of XX it must keep, and it can match its last word against the source.
 TREE_LEAVES = ("XX", "words")
+# What a word outside the vocabulary becomes, saved as `unknown_words` in a parser's generation config: "unk" (the
+# tokenizer's <unk>, one id for every such word) or "classes" (word_class: one id per shape of word, learned from
+# the training words too rare to keep whole, as the Berkeley parser's unknown-word signatures).
+UNKNOWN_WORDS = ("unk", "classes")
+
+# Suffixes that mark a part of speech in English (Petrov et al.'s Berkeley parser signatures), longest first
+_SUFFIXES = ("ment", "ness", "ing", "ion", "ity", "ble", "ive", "ous", "est", "ed", "ly", "er", "al", "ic", "s", "y")
 
 
 def expand_paths(patterns: Iterable[str | os.PathLike]) -> list[Path]:
@@ -217,6 +232,63 @@ def _prune(node: Tree) -> Tree | None:
         return node
     kept = [child for child in (_prune(c) for c in node.children) if child is not None]
     return Tree(node.label, kept) if kept else None
+
+
+def word_class(word: str) -> str:
+    """The class of a word kept out of the vocabulary: its shape, as the Berkeley parser's unknown-word
+    signatures (Petrov et al., 2006): ``<unk-CAP-DIG-DASH-ing>`` names an initial capital (``CAP``) or a
+    capital inside (``MIXCAP``), digits (``DIG``), a hyphen (``DASH``) and an English suffix marking a part
+    of speech. Never a bracket token and never a word of the treebank (it starts with ``<``); a word with none
+    of these (lower case, no suffix) is ``<unk>``, the tokenizer's own unknown token."""
+    features = []
+    if word[:1].isupper():
+        features.append("CAP")
+    elif any(character.isupper() for character in word):
+        features.append("MIXCAP")
+    if any(character.isdigit() for character in word):
+        features.append("DIG")
+    if "-" in word:
+        features.append("DASH")
+    lowered = word.lower()
+    suffix = next((s for s in _SUFFIXES if len(lowered) > len(s) + 1 and lowered.endswith(s)), None)
+    if suffix and not any(character.isdigit() for character in word):
+        features.append(suffix)
+    return "<unk" + "".join("-" + feature for feature in features) + ">"
+
+
+def known_words(
+    trees: Sequence[Tree], vocab_size: int, reserved: int, min_count: int = 2, copies: int = 1
+) -> set[str]:
+    """The training words a word-level vocabulary of ``vocab_size`` (``reserved`` of them special tokens, ``<unk>``
+    among them) keeps whole once the others are :func:`word_class` classes: the most frequent (ties by spelling)
+    seen at least ``min_count`` times, as many as fit beside the trees' bracket tokens and the classes of the
+    words left out, so that the vocabulary learned from the written files is exactly ``vocab_size`` when the
+    corpus has that many tokens. The words seen fewer times always become classes: they are what the model learns
+    the classes from, as it will meet unseen words. ``copies``: how often the files hold each word (2 when the
+    target's leaves are the words too), for the vocabulary trainer's own ``min_count``."""
+    counts = Counter(word for tree in trees for word in tree.words())
+    brackets = Counter(token for tree in trees for token in linearize(tree) if token != PLACEHOLDER)
+    slots = reserved + sum(1 for count in brackets.values() if count >= min_count)
+    ranked = sorted((word for word, count in counts.items() if count >= min_count), key=lambda w: (-counts[w], w))
+    rare = [word for word, count in counts.items() if count < min_count]
+    kept = len(ranked)
+    while True:
+        classes: Counter[str] = Counter()
+        for word in (*ranked[kept:], *rare):
+            classes[word_class(word)] += counts[word] * copies
+        classes.pop("<unk>", None)  # the tokenizer's own unknown token, one of the reserved
+        room = vocab_size - slots - sum(1 for count in classes.values() if count >= min_count)
+        if kept <= room:
+            return set(ranked[:kept])
+        kept = max(room, 0)
+
+
+def replace_rare_words(tree: Tree, known: Collection[str]) -> Tree:
+    """``tree`` with every word not in ``known`` replaced by its :func:`word_class` (tags and brackets kept)."""
+    if tree.is_preterminal:
+        word = tree.children[0]
+        return Tree(tree.label, [word if word in known else word_class(word)], tree.line)
+    return Tree(tree.label, [replace_rare_words(child, known) for child in tree.children], tree.line)
 
 
 def write_examples(

@@ -36,7 +36,7 @@ import torch
 from transformers import LogitsProcessor, TrainerCallback
 
 from vaswani_tx.errors import UserInputError
-from vaswani_tx.parsing import PLACEHOLDER, TREE_LEAVES, Tree, bracket_f1, delinearize
+from vaswani_tx.parsing import PLACEHOLDER, TREE_LEAVES, UNKNOWN_WORDS, Tree, bracket_f1, delinearize, word_class
 from vaswani_tx.translation import Translator, load_translator
 
 logger = logging.getLogger(__name__)
@@ -153,6 +153,26 @@ class TreeConstraint(LogitsProcessor):
         return scores.masked_fill(~allowed, -float("inf"))
 
 
+def _with_classes(sentences: Sequence[Sequence[str]], tokenizer) -> list[list[str]]:
+    """Each word the tokenizer does not know replaced by its class, where the vocabulary has that class
+    (``unknown_words: classes``; the word stays ``<unk>`` otherwise)."""
+    vocabulary = tokenizer.get_vocab()
+    mapped = []
+    for words in sentences:
+        # one id per word in a word-level vocabulary (the tokenizer's normaliser decides what it knows), </s> last
+        ids = tokenizer(" ".join(words)).input_ids[:-1]
+        if len(ids) != len(words):  # not one id per word: TreeConstraint names the problem
+            mapped.append(list(words))
+            continue
+        mapped.append(
+            [
+                word_class(word) if index == tokenizer.unk_token_id and word_class(word) in vocabulary else word
+                for word, index in zip(words, ids)
+            ]
+        )
+    return mapped
+
+
 def parse(
     model: str | os.PathLike | Any,
     sentences: Sequence[Sequence[str]],
@@ -169,16 +189,26 @@ def parse(
     default) restricts every hypothesis to a well-formed tree over exactly the sentence's words
     (:class:`TreeConstraint`; it needs a word-level target vocabulary); ``constrained=False`` is the paper's
     plain beam search, whose output the repair (:func:`~vaswani_tx.parsing.delinearize`) makes a tree. The
-    leaves are the model's ``tree_leaves`` (its generation config; ``"XX"`` when unset).
+    leaves are the model's ``tree_leaves`` (its generation config; ``"XX"`` when unset). A model trained with
+    ``unknown_words: classes`` reads each word outside its vocabulary as that word's class
+    (:func:`~vaswani_tx.parsing.word_class`); the trees keep the words themselves.
     """
     translator = model if isinstance(model, Translator) else load_translator(model)
-    lines = [" ".join(words) for words in sentences]
     tokenizer = translator.tokenizer
-    leaves = getattr(translator.model.generation_config, "tree_leaves", "XX")
+    generation_config = translator.model.generation_config
+    leaves = getattr(generation_config, "tree_leaves", "XX")
     if leaves not in TREE_LEAVES:
         raise UserInputError(
             f"the model's generation config has tree_leaves={leaves!r}; expected one of {TREE_LEAVES}"
         )
+    unknown = getattr(generation_config, "unknown_words", "unk")
+    if unknown not in UNKNOWN_WORDS:
+        raise UserInputError(
+            f"the model's generation config has unknown_words={unknown!r}; expected one of {UNKNOWN_WORDS}"
+        )
+    lines = [" ".join(words) for words in sentences]
+    if unknown == "classes":
+        lines = [" ".join(words) for words in _with_classes(sentences, tokenizer)]
     processors_for = None
     if constrained:
         vocabulary = tokenizer.get_vocab()
