@@ -79,6 +79,17 @@ def test_sacrebleu_equals_command_line(module_scores, cli_scores):
     assert 40 < module_scores["sacrebleu"] < 70
 
 
+def test_lowercased_sacrebleu_equals_command_line_with_lc(module_scores, newstest_files):
+    hypothesis, reference = newstest_files
+    argv = [str(SACREBLEU_CLI), str(reference), "-i", str(hypothesis), "-l", "en-de", "-lc", "-w", "6", "-f", "json"]
+    expected = json.loads(subprocess.run(argv, capture_output=True, text=True, check=True).stdout)
+    assert module_scores["sacrebleu_lowercase_signature"] == expected["signature"]
+    assert "case:lc" in expected["signature"]
+    assert round(module_scores["sacrebleu_lowercase"], 6) == expected["score"]
+    # the hypotheses differ from the references in words, not in case: lowercasing changes little, and only upwards
+    assert module_scores["sacrebleu"] <= module_scores["sacrebleu_lowercase"] < module_scores["sacrebleu"] + 2
+
+
 def test_chrf_equals_command_line(module_scores, cli_scores):
     assert module_scores["chrf_signature"] == cli_scores["chrF2"]["signature"]
     assert round(module_scores["chrf"], 6) == cli_scores["chrF2"]["score"]

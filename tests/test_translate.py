@@ -323,6 +323,8 @@ def test_evaluate_translates_scores_and_saves(tiny_translator, translator, test_
     assert saved["num_beams"] == 1 and saved["target_lang"] == "de" and saved["sentences"] == 12
     assert f"{expected['sacrebleu']:6.2f}  nrefs:1|case:mixed|eff:no|tok:13a" in printed
     assert "tokenized BLEU" in printed and "chrF" in printed
+    assert f"lowercased   {expected['sacrebleu_lowercase']:6.2f}  nrefs:1|case:lc|eff:no|tok:13a" in printed
+    assert saved["sacrebleu_lowercase"] == pytest.approx(expected["sacrebleu_lowercase"])
 
 
 def test_evaluate_refuses_misaligned_or_unlabelled_test_sets(tiny_translator, test_set, tmp_path, capsys):

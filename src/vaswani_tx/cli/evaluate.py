@@ -170,6 +170,10 @@ def run(args: argparse.Namespace) -> int:
         + f", {seconds:.1f} s"
     )
     print(f"sacreBLEU      {results['sacrebleu']:6.2f}  {results['sacrebleu_signature']}")
+    print(
+        f"  lowercased   {results['sacrebleu_lowercase']:6.2f}  {results['sacrebleu_lowercase_signature']}  "
+        "(Multi30k papers score lowercased text)"
+    )
     print(f"chrF           {results['chrf']:6.2f}  {results['chrf_signature']}")
     print(
         f"tokenized BLEU {results['tokenized_bleu']:6.2f}  {results['tokenized_bleu_signature']}  "

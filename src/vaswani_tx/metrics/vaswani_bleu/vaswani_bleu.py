@@ -5,11 +5,14 @@ An ``evaluate`` metric module that loads offline from the installed package
 ``evaluate``, ``datasets``, ``sacrebleu`` and ``sacremoses``, because ``evaluate`` copies this one file
 into its module cache and imports it from there.
 
-Three scores, each labelled by its key and never to be compared with another:
+Four scores, each labelled by its key and never to be compared with another:
 
 ``sacrebleu`` / ``sacrebleu_signature``
     Corpus BLEU on detokenized text with sacreBLEU's own tokenizer (13a for most languages), the figure
     the field reports today. Equal to what the ``sacrebleu`` command line prints for the same files.
+``sacrebleu_lowercase`` / ``sacrebleu_lowercase_signature``
+    The same on lowercased text (``sacrebleu -lc``, ``case:lc`` in the signature): the figure of the
+    Multi30k literature, which scores lowercased, tokenized text.
 ``chrf`` / ``chrf_signature``
     sacreBLEU's chrF (character n-gram F-score, beta 2), also equal to the command line's figure.
 ``tokenized_bleu`` / ``tokenized_bleu_signature`` (+ ``_precisions``, ``_brevity_penalty``, ``_hyp_len``, ``_ref_len``)
@@ -81,6 +84,7 @@ Args:
         tokenized BLEU. Defaults to ``target_lang == "de"``, as the paper's EN-DE numbers did.
 Returns:
     sacrebleu (float): detokenized corpus BLEU, 0-100; sacrebleu_signature (str).
+    sacrebleu_lowercase (float): the same, case-insensitive; sacrebleu_lowercase_signature (str).
     chrf (float): chrF2, 0-100; chrf_signature (str).
     tokenized_bleu (float): the paper's tokenized BLEU, 0-100; tokenized_bleu_signature (str) names
         the recipe; tokenized_bleu_precisions (list of 4 floats, 0-100), tokenized_bleu_brevity_penalty,
@@ -216,6 +220,8 @@ class VaswaniBleu(evaluate.Metric):
 
         bleu = sacrebleu.metrics.BLEU(trg_lang=target_lang)
         bleu_score = bleu.corpus_score(predictions, ref_streams)
+        lowercase = sacrebleu.metrics.BLEU(trg_lang=target_lang, lowercase=True)
+        lowercase_score = lowercase.corpus_score(predictions, ref_streams)
         chrf = sacrebleu.metrics.CHRF()
         chrf_score = chrf.corpus_score(predictions, ref_streams)
 
@@ -226,6 +232,8 @@ class VaswaniBleu(evaluate.Metric):
         return {
             "sacrebleu": bleu_score.score,
             "sacrebleu_signature": str(bleu.get_signature()),
+            "sacrebleu_lowercase": lowercase_score.score,
+            "sacrebleu_lowercase_signature": str(lowercase.get_signature()),
             "chrf": chrf_score.score,
             "chrf_signature": str(chrf.get_signature()),
             "tokenized_bleu": tokenized["bleu"],
