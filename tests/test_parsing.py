@@ -470,20 +470,21 @@ def test_parse_command_reports_bad_trees_with_file_and_line(tmp_path, capsys):
 @pytest.mark.parametrize(
     "word, expected",
     [
-        ("dog", "<unk>"),
-        ("running", "<unk-ing>"),
+        ("dog", "<unk-LOW>"),
+        ("running", "<unk-LOW-ing>"),
         ("Smithfield", "<unk-CAP>"),
         ("Cheerfully", "<unk-CAP-ly>"),
         ("iPhones", "<unk-MIXCAP-s>"),
         ("1,234", "<unk-DIG>"),
         ("B-52s", "<unk-CAP-DIG-DASH>"),
-        ("well-meaning", "<unk-DASH-ing>"),
-        ("is", "<unk>"),  # a suffix needs a stem of two letters or more
+        ("well-meaning", "<unk-LOW-DASH-ing>"),
+        ("is", "<unk-LOW>"),  # a suffix needs a stem of two letters or more
+        ("&", "<unk-OTHER>"),
     ],
 )
 def test_word_class_is_the_shape_of_the_word(word, expected):
     assert parsing.word_class(word) == expected
-    assert not parsing.word_class(word).startswith(("(", ")"))
+    assert not parsing.word_class(word).startswith(("(", ")")) and parsing.word_class(word) != "<unk>"
 
 
 def test_known_words_keep_the_frequent_ones_that_fit_beside_brackets_and_classes():
@@ -491,14 +492,14 @@ def test_known_words_keep_the_frequent_ones_that_fit_beside_brackets_and_classes
     # seen twice or more: the dog runs . a cat sleeps on mat it rains big (11); once: Kim walked
     every = parsing.known_words(trees, vocab_size=1000, reserved=4)
     assert every == {"the", "dog", "runs", ".", "a", "cat", "sleeps", "on", "mat", "it", "rains", "big"}
-    # 4 special tokens, 8 brackets, and room for 7: the classes <unk-CAP> and <unk-ed> (Kim, walked), then <unk-s> once
-    # runs/sleeps/rains are left out, so 4 words; the most frequent first (the 6, "." and dog 4), ties by spelling
+    # 4 special tokens, 8 brackets, and room for 7: the classes <unk-CAP> and <unk-LOW-ed> (Kim, walked), then
+    # <unk-LOW> and <unk-LOW-s> once cat, runs... are left out, so 3 words: the most frequent (the 6, "." and dog 4)
     tight = parsing.known_words(trees, vocab_size=4 + 8 + 7, reserved=4, copies=2)
-    assert tight == {"the", ".", "dog", "a"}
-    # written once each (copies=1) the two classes fall under the trainer's min_count and take no place
-    assert len(parsing.known_words(trees, vocab_size=4 + 8 + 7, reserved=4)) == 6
+    assert tight == {"the", ".", "dog"}
+    # written once each (copies=1) Kim's and walked's classes fall under the trainer's min_count and take no place
+    assert parsing.known_words(trees, vocab_size=4 + 8 + 7, reserved=4) == {"the", ".", "dog", "a", "big"}
     mapped = parsing.replace_rare_words(trees[-1], tight)
-    assert mapped.words() == ["<unk-CAP>", "<unk-ed>"] and str(trees[-1]).count("Kim") == 1
+    assert mapped.words() == ["<unk-CAP>", "<unk-LOW-ed>"] and str(trees[-1]).count("Kim") == 1
 
 
 def test_parse_run_with_word_classes_learns_them_and_parses_unseen_words(tmp_path, monkeypatch):
@@ -525,18 +526,19 @@ def test_parse_run_with_word_classes_learns_them_and_parses_unseen_words(tmp_pat
     argv = ["parse", "run", "run.yaml", "--train", "trees.txt", "--dev", "trees.txt", "--test", "test.mrg"]
     assert main(argv) == 0
     # words seen once are written as their classes, which the vocabulary then holds
-    assert Path("data/train.words").read_text().splitlines()[-2:] == ["<unk-CAP> <unk-ed>"] * 2
+    assert Path("data/train.words").read_text().splitlines()[-2:] == ["<unk-CAP> <unk-LOW-ed>"] * 2
     vocabulary = load_tokenizer("run/tokenizer").get_vocab()
-    assert {"<unk-CAP>", "<unk-ed>"} <= set(vocabulary) and len(vocabulary) == 24
-    # the two least frequent words (ties by spelling) are classes too: <unk> and <unk-s> for "sleeps"
-    assert "it rains" not in Path("data/train.words").read_text() and "<unk-s>" in vocabulary
+    assert {"<unk-CAP>", "<unk-LOW-ed>"} <= set(vocabulary) and len(vocabulary) == 24
+    # the least frequent words (ties by spelling) make room for the classes: rains, runs, sleeps are <unk-LOW-s>
+    assert "<unk-LOW-s>" in vocabulary and not {"rains", "runs", "sleeps"} & set(vocabulary)
     assert GenerationConfig.from_pretrained("run/averaged").unknown_words == "classes"
     # the unseen words are read as classes and the tree keeps the words themselves
     assert read_treebank("run/test.parsed")[0].words() == ["Pat", "jumped", "."]
     from vaswani_tx.tree_decoding import _with_classes
 
     tokenizer = load_tokenizer("run/tokenizer")
-    assert _with_classes([["Pat", "jumped", "the", "zzz"]], tokenizer) == [["<unk-CAP>", "<unk-ed>", "the", "<unk>"]]
+    mapped = _with_classes([["Pat", "jumped", "the", "zz9"]], tokenizer)
+    assert mapped == [["<unk-CAP>", "<unk-LOW-ed>", "the", "zz9"]]  # no <unk-LOW-DIG> class: stays <unk>
 
 
 def test_bad_unknown_words_setting_is_refused_before_training(tmp_path, capsys):

@@ -236,31 +236,33 @@ def _prune(node: Tree) -> Tree | None:
 
 def word_class(word: str) -> str:
     """The class of a word kept out of the vocabulary: its shape, as the Berkeley parser's unknown-word
-    signatures (Petrov et al., 2006): ``<unk-CAP-DIG-DASH-ing>`` names an initial capital (``CAP``) or a
-    capital inside (``MIXCAP``), digits (``DIG``), a hyphen (``DASH``) and an English suffix marking a part
-    of speech. Never a bracket token and never a word of the treebank (it starts with ``<``); a word with none
-    of these (lower case, no suffix) is ``<unk>``, the tokenizer's own unknown token."""
+    signatures (Petrov et al., 2006): ``<unk-CAP-DIG-DASH-ing>`` names the case (an initial capital ``CAP``,
+    a capital inside ``MIXCAP``, lower case only ``LOW``), digits (``DIG``), a hyphen (``DASH``) and an English
+    suffix marking a part of speech; ``<unk-OTHER>`` is a word with none of these (symbols). Never a bracket
+    token, never a word of the treebank (it starts with ``<``), and never the tokenizer's own ``<unk>``."""
     features = []
     if word[:1].isupper():
         features.append("CAP")
     elif any(character.isupper() for character in word):
         features.append("MIXCAP")
-    if any(character.isdigit() for character in word):
+    elif any(character.islower() for character in word):
+        features.append("LOW")
+    digits = any(character.isdigit() for character in word)
+    if digits:
         features.append("DIG")
     if "-" in word:
         features.append("DASH")
     lowered = word.lower()
     suffix = next((s for s in _SUFFIXES if len(lowered) > len(s) + 1 and lowered.endswith(s)), None)
-    if suffix and not any(character.isdigit() for character in word):
+    if suffix and not digits:
         features.append(suffix)
-    return "<unk" + "".join("-" + feature for feature in features) + ">"
+    return "<unk-" + "-".join(features or ["OTHER"]) + ">"
 
 
 def known_words(
     trees: Sequence[Tree], vocab_size: int, reserved: int, min_count: int = 2, copies: int = 1
 ) -> set[str]:
-    """The training words a word-level vocabulary of ``vocab_size`` (``reserved`` of them special tokens, ``<unk>``
-    among them) keeps whole once the others are :func:`word_class` classes: the most frequent (ties by spelling)
+    """The training words a word-level vocabulary of ``vocab_size`` (``reserved`` of them special tokens) keeps whole once the others are :func:`word_class` classes: the most frequent (ties by spelling)
     seen at least ``min_count`` times, as many as fit beside the trees' bracket tokens and the classes of the
     words left out, so that the vocabulary learned from the written files is exactly ``vocab_size`` when the
     corpus has that many tokens. The words seen fewer times always become classes: they are what the model learns
@@ -276,7 +278,6 @@ def known_words(
         classes: Counter[str] = Counter()
         for word in (*ranked[kept:], *rare):
             classes[word_class(word)] += counts[word] * copies
-        classes.pop("<unk>", None)  # the tokenizer's own unknown token, one of the reserved
         room = vocab_size - slots - sum(1 for count in classes.values() if count >= min_count)
         if kept <= room:
             return set(ranked[:kept])
