@@ -11,7 +11,8 @@ Measured, each in a fresh process with warm-up excluded:
   32 tokens per side; tokens = non-pad source + target tokens; plain cross-entropy for both; ours
   also with `skip_padding=False` ("ours-full"), which computes the padded positions as Marian does;
 - decoding tokens/s: greedy and beam 4 at batch 1 and 32 (`--batches`), exactly `--new-tokens` new tokens per
-  sentence (min = max), for ours (the default path: fast_decoding.py's loops), "ours-hf" (transformers' own loops,
+  sentence (min = max), for ours (the default path: fast_decoding.py's loops with the decoding step that
+  `vaswani-tx compile` wrote into the model's folder), "ours-eager" (the same loops, no compiled step), "ours-hf" (transformers' own loops,
   `fast_decoding=False`, the default before issue 29), "ours-bf16" (`--dtype auto`: bfloat16 where the CPU has
   bf16 instructions), MarianMT, ours with int8 linears (`quantize_int8`), and
   CTranslate2 fed with each model (ours through `export_ct2`, Marian through CTranslate2's own
@@ -85,6 +86,10 @@ def build_models(root: Path) -> dict[str, Path]:
     ).save_pretrained(paths["ours"])
     export_ct2(paths["ours"], paths["ct2-ours"])
     export_ct2(paths["ours"], paths["ct2-ours-int8"], quantization="int8")
+    # `vaswani-tx compile`: the folder's compiled decoding step, which "ours" (the default path) then loads.
+    from vaswani_tx.compile_step import compile_decoder_step
+
+    compile_decoder_step(ours, paths["ours"])
 
     marian = MarianMTModel(marian_config(MarianConfig)).eval()
     marian.save_pretrained(paths["marian"])
@@ -177,6 +182,8 @@ def load_torch_model(kind: str, paths: dict[str, str], train: bool):
 
         # "ours-full" computes padded positions too (skip_padding=False): what skipping them buys.
         model = VaswaniForConditionalGeneration.from_pretrained(paths["ours"], skip_padding=kind != "ours-full")
+        if kind == "ours-eager":  # the default path without the compiled step (a folder never compiled)
+            model._compiled_step = None
     model.train(train)
     if kind == "ours-int8":
         from vaswani_tx.quantization import quantize_int8
@@ -365,6 +372,7 @@ def plan(args) -> list[dict]:
 
 MODELS = (
     "ours",
+    "ours-eager",
     "ours-hf",
     "ours-full",
     "ours-static",
@@ -378,6 +386,7 @@ MODELS = (
 )
 RATIOS = {
     "ours": "ct2-ours",
+    "ours-eager": "ct2-ours",
     "ours-hf": "ct2-ours",
     "ours-full": "marian",
     "ours-static": "ct2-ours",

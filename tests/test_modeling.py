@@ -651,6 +651,7 @@ def test_auto_classes_are_registered(tmp_path):
     model.save_pretrained(tmp_path)
     files = sorted(p.name for p in tmp_path.iterdir())
     assert files == [
+        "compiled_decoding.py",  # loads a folder's compiled decoding step (vaswani-tx compile) where it fits
         "config.json",
         "configuration_vaswani.py",
         "errors.py",  # UserInputError, raised by the config and the model

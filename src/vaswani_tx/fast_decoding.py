@@ -18,11 +18,15 @@ stopping criteria and transformers' own beam-search bookkeeping (`_get_top_k_con
 - finished sentences leave the decoder's batch (transformers decodes them to the end of the batch's longest).
 The model's own decoder `forward` computes each step: the attention reads its keys and values from the cache it
 is given (`DecodingCache` has the part of transformers' EncoderDecoderCache interface it uses).
+Where the model's folder holds a compiled decoding step (`vaswani-tx compile`, compiled_decoding.py) that fits the
+call, each step runs that instead (`CompiledSession`): the same forward, compiled ahead of time, without
+Python's per-operator overhead; the same ids (tested).
 
 Anything else (sampling, scores or attention weights returned, a streamer, a cache passed in, a static cache,
 `fast_decoding=False`) runs transformers' loops unchanged.
 
-This file travels with saved weights for `trust_remote_code`: torch, transformers and static_decoding.py only.
+This file travels with saved weights for `trust_remote_code`: torch, transformers, compiled_decoding.py and
+static_decoding.py only.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ from transformers.generation.logits_process import (
 )
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 
+from .compiled_decoding import CompiledStep
 from .static_decoding import CACHE_FIELD, _Keys, is_static_cache
 
 # --- the cache ---------------------------------------------------------------------------------------------------
@@ -231,6 +236,127 @@ class DecodingSession:
         self.cache.cross_attention_cache.select_rows(sources)
         self.cache.self_attention_cache.select_rows(sources if rows is None else rows)
 
+    def reorder(self, rows: torch.Tensor) -> None:
+        """Beam search: the decoder's rows become these (each a beam of its own source)."""
+        self.cache.self_attention_cache.select_rows(rows)
+
+
+def open_session(model, model_kwargs: dict, input_ids: torch.Tensor, max_length: int, rows_per_source: int = 1):
+    """The compiled step's session where the model has one that applies to this call (compiled_decoding.py),
+    else the eager one; both give the same logits to float32 rounding."""
+    compiled = session_applies(model, input_ids, max_length, model_kwargs)
+    if compiled is None:
+        return DecodingSession(model, model_kwargs, rows_per_source)
+    projection = PackedProjection.of(model, model_kwargs["encoder_outputs"][0].shape[0])
+    return CompiledSession(model, compiled, model_kwargs, rows_per_source, projection)
+
+
+# --- the compiled step (compiled_decoding.py) ------------------------------------------------------------------------
+
+
+class PositionSlots:
+    """The self-attention keys and values of every layer, position-major, (capacity, rows, h, d): the written
+    prefix plus this step's slot is a contiguous view, which is what the compiled step takes. Capacity doubles."""
+
+    def __init__(self, num_layers: int):
+        self.keys: list[torch.Tensor | None] = [None] * num_layers
+        self.values: list[torch.Tensor | None] = [None] * num_layers
+        self.length = 0
+        self.spare: torch.Tensor | None = None
+
+    def views(self, rows: int, groups: int, heads: int, d_k: int, d_v: int, like: torch.Tensor):
+        """(P + 1, G, k, h, d) views of each layer's keys and values, P the positions written so far."""
+        end = self.length + 1
+        for buffers, depth in ((self.keys, d_k), (self.values, d_v)):
+            for layer, buffer in enumerate(buffers):
+                if buffer is None or buffer.shape[0] < end:
+                    grown = like.new_empty(max(16, 2 * end), rows, heads, depth)
+                    if buffer is not None and self.length:
+                        grown[: self.length] = buffer[: self.length]
+                    buffers[layer] = grown
+        shape = (end, groups, rows // groups, heads)
+        keys = tuple(buffer[:end].view(*shape, d_k) for buffer in self.keys)
+        values = tuple(buffer[:end].view(*shape, d_v) for buffer in self.values)
+        return keys, values
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        """Keep (and reorder to) these rows: beam search's reordering (into one spare buffer, which then takes
+        the layer's place: no allocation per step), or the sentences not finished."""
+        end = self.length
+        for buffers in (self.keys, self.values):
+            for layer, buffer in enumerate(buffers):
+                if buffer is None:
+                    continue
+                if rows.numel() == buffer.shape[1]:
+                    if self.spare is None or self.spare.shape != buffer.shape:
+                        self.spare = torch.empty_like(buffer)
+                    torch.index_select(buffer[:end], 1, rows, out=self.spare[:end])
+                    buffers[layer], self.spare = self.spare, buffer
+                else:
+                    selected = buffer.new_empty(buffer.shape[0], rows.numel(), *buffer.shape[2:])
+                    torch.index_select(buffer[:end], 1, rows, out=selected[:end])
+                    buffers[layer] = selected
+
+
+class CompiledSession:
+    """`DecodingSession`'s interface (`step`, `select`, `reorder`) over a folder's compiled step."""
+
+    def __init__(self, model: nn.Module, compiled: CompiledStep, model_kwargs: dict, rows_per_source: int, projection):
+        self.model, self.compiled, self.k = model, compiled, rows_per_source
+        config = model.config
+        self.heads, self.d_k, self.d_v = config.num_heads, config.d_k, config.d_v
+        encoder_output = model_kwargs["encoder_outputs"][0]
+        mask = model_kwargs.get("attention_mask")
+        self.sources = encoder_output[::rows_per_source].contiguous()
+        if mask is None:
+            mask = torch.ones(encoder_output.shape[:2], dtype=torch.long)
+        self.source_mask = mask[::rows_per_source].long().contiguous()
+        # The encoder-decoder keys and values, once per source, by the model's own attention modules.
+        self.cross = SourceKeysValues(config.num_decoder_layers)
+        for index, layer in enumerate(model.get_decoder().layers):
+            self.cross.update(*layer.cross_attn.keys_values(self.sources), index)
+        self.slots = PositionSlots(config.num_decoder_layers)
+        self.projection = projection
+        self.final_bias = getattr(model, "final_logits_bias", None) if config.final_logits_bias else None
+
+    def step(self, tokens: torch.Tensor) -> torch.Tensor:
+        groups = self.sources.shape[0]
+        keys, values = self.slots.views(tokens.shape[0], groups, self.heads, self.d_k, self.d_v, self.sources)
+        hidden = self.compiled(
+            tokens.reshape(
+                groups, -1
+            ).contiguous(),  # the library reads its inputs as contiguous: the loops' are views
+            keys,
+            values,
+            tuple(layer.keys for layer in self.cross.layers),
+            tuple(layer.values for layer in self.cross.layers),
+            self.sources,
+            self.source_mask,
+        )
+        self.slots.length += 1
+        logits = self.projection(hidden) if self.projection is not None else self.model.project(hidden).float()
+        return logits + self.final_bias if self.final_bias is not None else logits
+
+    def select(self, sources: torch.Tensor, rows: torch.Tensor | None = None) -> None:
+        self.sources = self.sources.index_select(0, sources)
+        self.source_mask = self.source_mask.index_select(0, sources)
+        self.cross.select_rows(sources)
+        self.slots.select_rows(sources if rows is None else rows)
+
+    def reorder(self, rows: torch.Tensor) -> None:
+        self.slots.select_rows(rows)
+
+
+def session_applies(model: nn.Module, input_ids: torch.Tensor, max_length: int, model_kwargs: dict):
+    """The model's compiled step if this call can decode through it, else None."""
+    compiled = getattr(model, "_compiled_step", None)
+    if compiled is None or input_ids.shape[1] != 1 or max_length > compiled.rows:
+        return None
+    encoder_output = model_kwargs["encoder_outputs"][0]
+    if encoder_output.dtype != torch.float32 or encoder_output.device.type != "cpu":
+        return None
+    return compiled if compiled.usable(model) else None
+
 
 # --- which calls ---------------------------------------------------------------------------------------------------
 
@@ -349,7 +475,7 @@ def greedy_search(model, input_ids, logits_processor, stopping_criteria, generat
     until every row meets a stopping criterion. Finished rows leave the decoder's batch."""
     pad_token_id = generation_config._pad_token_tensor
     has_eos_stopping_criteria = any(hasattr(criteria, "eos_token_id") for criteria in stopping_criteria)
-    session = DecodingSession(model, model_kwargs)
+    session = open_session(model, model_kwargs, input_ids, generation_config.max_length)
     batch = input_ids.shape[0]
     unfinished = torch.ones(batch, dtype=torch.long, device=input_ids.device)
     active = None  # the rows the decoder still computes (None: all)
@@ -417,7 +543,7 @@ def beam_search(model, input_ids, logits_processor, stopping_criteria, generatio
     )
     beam_indices = running_beam_indices.clone()
 
-    session = DecodingSession(model, model_kwargs, rows_per_source=num_beams)
+    session = open_session(model, model_kwargs, input_ids, max_length, rows_per_source=num_beams)
     tokens = flat_running_sequences = input_ids
     columns, scores = {}, None
     active = torch.arange(batch_size, device=device)  # the sources still decoded
@@ -506,7 +632,7 @@ def beam_search(model, input_ids, logits_processor, stopping_criteria, generatio
             active, active_rows = still, (still[:, None] * num_beams + offsets).reshape(-1)
             session.select(kept_sources, keep)
         else:
-            session.cache.self_attention_cache.select_rows(keep)
+            session.reorder(keep)
         flat_running_sequences = running_sequences[:, :, :cur_len].reshape(batch_size * num_beams, cur_len)
         tokens = flat_running_sequences[:, -1:] if active_rows is None else flat_running_sequences[active_rows, -1:]
 

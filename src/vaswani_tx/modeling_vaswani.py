@@ -38,6 +38,7 @@ it (the config, errors.py, skip_padding.py, generation_vaswani.py, the pipeline 
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 from torch import nn
@@ -53,6 +54,7 @@ from transformers.modeling_outputs import (
 )
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from .compiled_decoding import attach as attach_compiled_step
 from .configuration_vaswani import VaswaniConfig
 from .errors import check_decoder_mask, check_mask, check_token_ids, load_fitting_weights
 from .generation_vaswani import CACHE_FIELD, VaswaniGenerationMixin, decoding_cache, paper_generation_config
@@ -591,8 +593,13 @@ class VaswaniPreTrainedModel(PreTrainedModel):
     @classmethod
     def from_pretrained(cls, *args, **kwargs):
         """`PreTrainedModel.from_pretrained`, refusing weights that do not fit the config with an error that
-        names the config fields (`errors.load_fitting_weights`)."""
-        return load_fitting_weights(super().from_pretrained, *args, **kwargs)
+        names the config fields (`errors.load_fitting_weights`). A local folder's compiled decoding step
+        (`vaswani-tx compile`) is loaded with it where it fits (compiled_decoding.py); otherwise one logged line."""
+        model = load_fitting_weights(super().from_pretrained, *args, **kwargs)
+        folder = args[0] if args else kwargs.get("pretrained_model_name_or_path")
+        if hasattr(model, "project") and isinstance(folder, (str, os.PathLike)) and os.path.isdir(folder):
+            attach_compiled_step(model, folder)
+        return model
 
 
 class VaswaniModel(VaswaniPreTrainedModel):

@@ -33,6 +33,7 @@ REQUIRED_FILES = (
     "generation_vaswani.py",
     "pipeline_vaswani.py",
     "fast_decoding.py",
+    "compiled_decoding.py",
     "static_decoding.py",
     "skip_padding.py",
     "errors.py",

@@ -33,6 +33,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "prepare-data": ("prepare_data", "clean and encode a parallel corpus into a dataset ready for training"),
     "convert": ("convert", "convert a MarianMT (OPUS-MT), FSMT or fairseq Transformer into a vaswani_tx model folder"),
     "export-marian": ("export_marian", "write a vaswani_tx model folder as a MarianMTModel folder"),
+    "compile": (
+        "compile",
+        "compile a saved model's decoding step ahead of time, for fast CPU decoding in every process",
+    ),
     "export-ct2": ("export_ct2", "convert a saved model to CTranslate2 for fast CPU serving, optionally int8"),
     "parse": ("parse", "constituency parsing (Section 6.3): train on a treebank, parse, score bracketing F1"),
 }

@@ -1,0 +1,141 @@
+"""Compiling the decoding step ahead of time (AOTInductor): what `vaswani-tx compile MODEL` runs.
+
+The step is the model's own decoder `forward` over the keys and values of a cache (static_decoding.py's
+slot views), exported with `torch.export` for any number of sources, rows per source (beams), source
+length and prefix length, and compiled into `MODEL/compiled` (compiled_decoding.py loads and runs it). It
+stays in the package rather than travelling with saved weights: only loading needs to.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .atomic import atomic_folder
+from .compiled_decoding import (
+    FOLDER,
+    FORMAT,
+    MANIFEST,
+    PACKAGE,
+    TABLE,
+    architecture_fingerprint,
+    machine,
+    step_tensors,
+    weights_fingerprint,
+)
+from .errors import UserInputError
+from .static_decoding import _Slots
+
+
+class DecoderStep(nn.Module):
+    """One decoding step over tensors only, the function that is exported and compiled.
+
+    tokens (G, k): this position's input token of each of the k rows of G sources; self_keys/self_values,
+    per layer, (P + 1, G, k, h, d): the self-attention's keys and values of the P positions so far and a slot
+    for this one, which the step writes; cross_keys/cross_values, per layer, (G, h, S, d), once per source;
+    sources (G, S, D) the encoder output and source_mask (G, S). Returns the decoder's output (G * k, D)."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, tokens, self_keys, self_values, cross_keys, cross_values, sources, source_mask):
+        def rows(slots):
+            return [slot.flatten(1, 2) for slot in slots]  # (P + 1, G * k, h, d): views, written in place
+
+        cache = _Slots(rows(self_keys), rows(self_values), list(cross_keys), list(cross_values))
+        hidden = self.model.get_decoder()(
+            input_ids=tokens.reshape(-1, 1),
+            encoder_hidden_states=sources,
+            encoder_attention_mask=source_mask,
+            past_key_values=cache,
+            use_cache=True,
+            return_dict=True,
+        ).last_hidden_state
+        return hidden[:, 0]
+
+
+def _example(model: nn.Module) -> tuple:
+    config = model.config
+    layers, heads = config.num_decoder_layers, config.num_heads
+    groups, rows, source, prefix = 3, 2, 5, 4
+
+    def slots(depth):
+        return tuple(torch.zeros(prefix, groups, rows, heads, depth) for _ in range(layers))
+
+    def per_source(depth):
+        return tuple(torch.zeros(groups, heads, source, depth) for _ in range(layers))
+
+    tokens = torch.full((groups, rows), config.decoder_start_token_id, dtype=torch.long)
+    sources = torch.zeros(groups, source, config.d_model)
+    mask = torch.ones(groups, source, dtype=torch.long)
+    return tokens, slots(config.d_k), slots(config.d_v), per_source(config.d_k), per_source(config.d_v), sources, mask
+
+
+def compile_decoder_step(model: nn.Module, folder: str | os.PathLike) -> Path:
+    """Export and compile `model`'s decoding step into `folder`/compiled (replaced whole); returns that folder.
+
+    Raises:
+        UserInputError: a model this cannot compile (not float32 on the CPU, int8 layers)."""
+    from torch.export import Dim, export
+
+    parameter = next(model.parameters())
+    if parameter.device.type != "cpu" or parameter.dtype != torch.float32:
+        raise UserInputError(
+            f"the compiled decoding step is for float32 models on the CPU; this one is {parameter.dtype} on "
+            f"{parameter.device} (load it without dtype/device arguments)"
+        )
+    if any(hasattr(module, "_packed_params") for module in model.modules()):
+        raise UserInputError("int8 models decode eagerly: compile the float32 model (int8 is --int8 at load time)")
+    model.eval()
+    # Positions the step can encode: the model's maximum. Sinusoids are a table the graph keeps as a constant,
+    # made afresh at this size (at load time too, from the same function).
+    rows = int(model.config.max_position_embeddings)
+    positions = model.get_decoder().embeddings.embed_positions
+    table = None
+    if hasattr(positions, "table_function"):
+        positions._table = None
+        positions(rows, 0, like=parameter)
+        table = positions._table
+    layers = model.config.num_decoder_layers
+    groups, beams = Dim("sources", min=1, max=65536), Dim("rows_per_source", min=1, max=1024)
+    source, prefix = Dim("source_length", min=1, max=65536), Dim("prefix", min=1, max=rows)
+    dims = {
+        "tokens": {0: groups, 1: beams},
+        "self_keys": ({0: prefix, 1: groups, 2: beams},) * layers,
+        "self_values": ({0: prefix, 1: groups, 2: beams},) * layers,
+        "cross_keys": ({0: groups, 2: source},) * layers,
+        "cross_values": ({0: groups, 2: source},) * layers,
+        "sources": {0: groups, 1: source},
+        "source_mask": {0: groups, 1: source},
+    }
+    step = DecoderStep(model)
+    with torch.no_grad():
+        program = export(step, _example(model), dynamic_shapes=dims, strict=False)
+    known = step_tensors(model)
+    others = [name for name in program.constants if name not in known]
+    if len(others) > 1 or (others and table is None):
+        raise UserInputError(f"the decoder step reads tensors that are not the model's weights: {others}")
+    with atomic_folder(Path(folder) / FOLDER) as out:
+        package = torch._inductor.aoti_compile_and_package(
+            program,
+            package_path=str(out / PACKAGE),
+            inductor_configs={"aot_inductor.package_constants_in_so": False},
+        )
+        runner = torch._inductor.aoti_load_package(package)
+        constants = {name: (name if name in known else TABLE) for name in runner.get_constant_fqns()}
+        manifest = {
+            "format": FORMAT,
+            **machine(),
+            "architecture": architecture_fingerprint(model.config),
+            "weights": weights_fingerprint(model),
+            "positions": rows,
+            "table_rows": None if table is None else table.shape[0],
+            "constants": constants,
+        }
+        (out / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n", encoding="utf-8")
+    return Path(folder) / FOLDER

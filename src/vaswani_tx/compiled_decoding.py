@@ -1,0 +1,189 @@
+"""The decoding step compiled ahead of time: `vaswani-tx compile MODEL` once, then every process decodes with it.
+
+What is compiled is one decoder step, the model's own decoder `forward` over the keys and values of a cache
+(Sections 3.1-3.2: masked self-attention over the prefix, encoder-decoder attention, feed-forward, each with
+its residual and LayerNorm), exported with `torch.export` for any number of sources, rows per source (beams),
+source length and prefix length, and compiled by AOTInductor (`torch._inductor.aoti_compile_and_package`)
+into a shared library in the model's folder, `compiled/decoder_step.pt2`, with `compiled/manifest.json`
+saying what it was made for. The pre-softmax projection stays outside it (fast_decoding.py packs it for
+oneMKL, which is faster there than the compiled product).
+
+`from_pretrained` of a folder that holds one loads it when the torch version, the CPU's instruction set
+(torch's CPU capability), the architecture and the weights' fingerprint are those it was made for;
+otherwise it logs one line naming the difference and the model decodes eagerly, with the same result.
+The library holds no weights: it reads the model's own tensors (AOTInductor's user-managed constants), so
+it costs no memory beyond its code, and it follows the weights if they change in place.
+
+fast_decoding.py's loops (`CompiledSession`) use it where it applies: float32 on the CPU, the model in eval mode, one
+decoder start token per row, and lengths within the compiled positional table; anything else decodes
+eagerly. The first step of a sentence computes the encoder-decoder keys and values with the model's own
+attention modules (`keys_values`) and keeps them once per source.
+
+Compiling is compile_step.py's (it stays in the package). This file travels with saved weights for
+`trust_remote_code`: torch only.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import zlib
+from pathlib import Path
+
+import torch
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+FOLDER = "compiled"
+PACKAGE = "decoder_step.pt2"
+MANIFEST = "manifest.json"
+FORMAT = 1
+TABLE = "positional_table"  # the manifest's name for the sinusoid table, a constant of the graph
+# Config fields that do not change the step (names, bookkeeping, what generate() reads).
+_VOLATILE_CONFIG = {
+    "_name_or_path", "transformers_version", "architectures", "auto_map", "custom_pipelines", "dtype",
+    "torch_dtype", "use_cache", "output_attentions", "output_hidden_states", "return_dict", "_attn_implementation",
+    "_attn_implementation_autoset", "attn_implementation",
+}  # fmt: skip
+
+
+# --- fingerprints ------------------------------------------------------------------------------------------------
+
+
+def cpu_capability() -> str:
+    """The instruction set torch's CPU kernels (and so the compiled code) use here: AVX512, AVX2, ..."""
+    return torch.backends.cpu.get_cpu_capability()
+
+
+def architecture_fingerprint(config) -> str:
+    fields = {key: value for key, value in config.to_dict().items() if key not in _VOLATILE_CONFIG}
+    return f"{zlib.crc32(json.dumps(fields, sort_keys=True, default=str).encode()):08x}"
+
+
+def weights_fingerprint(model: nn.Module) -> str:
+    """CRC-32 of the names, shapes and bytes of every tensor the step reads (fast: about 1 GB/s)."""
+    crc = 0
+    for name, tensor in step_tensors(model).items():
+        crc = zlib.crc32(f"{name}:{tuple(tensor.shape)}:{tensor.dtype}".encode(), crc)
+        if tensor.numel():
+            crc = zlib.crc32(tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy(), crc)
+    return f"{crc:08x}"
+
+
+def step_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The model's parameters and buffers under the names the exported step gives them (tied ones under each)."""
+    tensors = {f"model.{name}": tensor for name, tensor in model.named_parameters(remove_duplicate=False)}
+    tensors.update({f"model.{name}": tensor for name, tensor in model.named_buffers(remove_duplicate=False)})
+    return tensors
+
+
+def machine() -> dict:
+    return {"torch": torch.__version__, "cpu_capability": cpu_capability()}
+
+
+# --- loading -----------------------------------------------------------------------------------------------------
+
+
+class CompiledStep:
+    """A loaded step and the tensors it reads (the model's own, and the positional table, kept alive here)."""
+
+    def __init__(self, runner, manifest: dict, model: nn.Module):
+        self.runner, self.manifest = runner, manifest
+        self.rows = int(manifest["positions"])
+        self.table = None
+        self.bound: tuple | None = None
+        self.bind(model)
+
+    def bind(self, model: nn.Module) -> None:
+        """Point the library at the model's tensors (again, if they were replaced: `load_state_dict(assign=True)`)."""
+        tensors = step_tensors(model)
+        if self.table is None and TABLE in self.manifest["constants"].values():
+            decoder = model.get_decoder()
+            table_function = decoder.embeddings.embed_positions.table_function
+            self.table = table_function(int(self.manifest["table_rows"]), model.config.d_model)
+        constants = {name: (self.table if source == TABLE else tensors[source])
+                     for name, source in self.manifest["constants"].items()}  # fmt: skip
+        self.runner.load_constants(constants, check_full_update=True, user_managed=True)
+        self.bound = _identity(model)
+
+    def usable(self, model: nn.Module) -> bool:
+        """Whether this call can decode through the library: float32 on the CPU, eval mode; tensors replaced
+        since loading are bound again (same names and shapes; anything else decodes eagerly)."""
+        if model.training:
+            return False
+        identity = _identity(model)
+        if identity == self.bound:
+            return True
+        if any(dtype != torch.float32 or device != "cpu" for _, _, _, dtype, device in identity):
+            return False
+        if [entry[:2] for entry in identity] != [entry[:2] for entry in self.bound]:
+            return False
+        self.bind(model)
+        return True
+
+    def __call__(self, tokens, self_keys, self_values, cross_keys, cross_values, sources, source_mask) -> torch.Tensor:
+        # The library's own entry point with the flat list of tensors (the package's __call__ would parse its
+        # input and output specs again at every step).
+        flat = [tokens, *self_keys, *self_values, *cross_keys, *cross_values, sources, source_mask]
+        return self.runner.loader.boxed_run(flat)[0]
+
+
+def _identity(model: nn.Module) -> tuple:
+    return tuple(
+        (name, tuple(t.shape), t.data_ptr(), t.dtype, t.device.type) for name, t in step_tensors(model).items()
+    )
+
+
+def load_compiled_step(model: nn.Module, folder: str | os.PathLike) -> CompiledStep | None:
+    """The compiled step in `folder`/compiled for `model`, or None (with one logged line saying why) when there is
+    none, or it was made for another torch, CPU, architecture or set of weights, or it cannot be read."""
+    manifest_path = Path(folder) / FOLDER / MANIFEST
+    if not manifest_path.is_file():
+        return None
+    where = Path(folder) / FOLDER
+    try:
+        manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
+        problem = _mismatch(manifest, model)
+    except (ValueError, KeyError, TypeError, OSError) as error:
+        problem = f"its manifest cannot be read ({error})"
+    if problem is None:
+        try:
+            runner = torch._inductor.aoti_load_package(str(where / PACKAGE))
+            return CompiledStep(runner, manifest, model)
+        except Exception as error:  # a truncated or foreign library: torch says so in many ways
+            problem = f"it cannot be loaded ({_first_line(error)})"
+    logger.warning(
+        "%s: not using the compiled decoding step: %s; decoding eagerly (same results; `vaswani-tx compile %s` "
+        "makes a new one)", where, problem, folder,
+    )  # fmt: skip
+    return None
+
+
+def _mismatch(manifest: dict, model: nn.Module) -> str | None:
+    if manifest.get("format") != FORMAT:
+        return f"it has format {manifest.get('format')}, this version reads {FORMAT}"
+    here = machine()
+    if manifest["torch"] != here["torch"]:
+        return f"it was made with torch {manifest['torch']}, this is torch {here['torch']}"
+    if manifest["cpu_capability"] != here["cpu_capability"]:
+        return f"it was made for a CPU with {manifest['cpu_capability']}, this one has {here['cpu_capability']}"
+    if manifest["architecture"] != architecture_fingerprint(model.config):
+        return "it was made for a model of another configuration"
+    parameter = next(model.parameters())
+    if parameter.dtype != torch.float32 or parameter.device.type != "cpu":
+        return f"it is for float32 on the CPU, and the model is {parameter.dtype} on {parameter.device}"
+    if manifest["weights"] != weights_fingerprint(model):
+        return "it was made for other weights"
+    return None
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return text[0][:200] if text else type(error).__name__
+
+
+def attach(model: nn.Module, folder: str | os.PathLike) -> None:
+    """Load `folder`'s compiled step for `model` (from_pretrained calls this), where there is one and it fits."""
+    model._compiled_step = load_compiled_step(model, folder) if Path(folder).is_dir() else None

@@ -1,0 +1,162 @@
+"""The decoding step compiled ahead of time (compiled_decoding.py, `vaswani-tx compile`): loaded by
+`from_pretrained` where it fits, the same ids as transformers' loops and the eager step, and a one-line note
+and the eager path for an artifact made for another torch, CPU or set of weights, or one that is truncated.
+
+Each compilation takes 10-20 s, so one tiny model is compiled once for the module.
+Speed is measured by benchmarks/bench_speed.py and bench_translate.py, never asserted here.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+
+import pytest
+import torch
+from transformers import LogitsProcessorList
+
+from test_fast_decoding import EndsAt, ends, eos_prone_model
+from test_modeling import batch
+from vaswani_tx import compiled_decoding
+from vaswani_tx.cli import main
+from vaswani_tx.compile_step import compile_decoder_step
+from vaswani_tx.compiled_decoding import FOLDER, MANIFEST, PACKAGE
+from vaswani_tx.errors import UserInputError
+from vaswani_tx.modeling_vaswani import VaswaniForConditionalGeneration
+
+
+@pytest.fixture(scope="module")
+def compiled_folder(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("compiled-model")
+    eos_prone_model(seed=0).save_pretrained(folder)
+    assert main(["compile", str(folder)]) == 0
+    return folder
+
+
+@pytest.fixture
+def steps(monkeypatch):
+    """How many steps went through the compiled library."""
+    ran = []
+    original = compiled_decoding.CompiledStep.__call__
+    monkeypatch.setattr(
+        compiled_decoding.CompiledStep, "__call__", lambda self, *a: ran.append(1) or original(self, *a)
+    )
+    return ran
+
+
+def eager_twin(folder):
+    model = VaswaniForConditionalGeneration.from_pretrained(folder)
+    model._compiled_step = None
+    return model
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        dict(num_beams=1),
+        dict(num_beams=4),
+        dict(num_beams=3, num_return_sequences=2, length_penalty=1.3, length_penalty_type="hf"),
+        dict(num_beams=4, early_stopping=False, max_output_length_offset=5),
+        dict(num_beams=1, min_new_tokens=9, max_new_tokens=9),
+        dict(num_beams=4, min_new_tokens=9, max_new_tokens=9),
+        dict(num_beams=2, no_repeat_ngram_size=2, repetition_penalty=1.5),
+    ],
+    ids=["greedy", "beam-paper", "beam-returns-2", "beam-no-early-stop", "greedy-min", "beam-min", "processors"],
+)
+def test_the_compiled_step_gives_the_eager_and_transformers_ids(compiled_folder, settings, steps):
+    model = VaswaniForConditionalGeneration.from_pretrained(compiled_folder)
+    assert model._compiled_step is not None
+    eager = eager_twin(compiled_folder)
+    for seed in (0, 4):
+        ids, mask = batch(seed=seed, lengths=(7, 4, 6, 2))
+        ending = LogitsProcessorList([EndsAt([3, 7, 5, 12])])
+        kwargs = dict(input_ids=ids, attention_mask=mask, logits_processor=ending, **settings)
+        compiled = model.generate(**kwargs)
+        assert torch.equal(compiled, eager.generate(**kwargs))
+        assert torch.equal(compiled, model.generate(fast_decoding=False, **kwargs))
+        assert "min_new_tokens" in settings or len(set(ends(compiled))) > 1  # sources left the batch at several steps
+    assert steps  # the library decoded (the eager twin and transformers checked it)
+
+
+def test_what_the_step_does_not_cover_decodes_eagerly(compiled_folder, steps):
+    """A decoder prefix of several tokens, a model in training mode or in bfloat16: the eager step, same ids."""
+    model = VaswaniForConditionalGeneration.from_pretrained(compiled_folder)
+    eager = eager_twin(compiled_folder)
+    ids, mask = batch(seed=3)
+    prefix = torch.tensor([[2, 7], [2, 9], [2, 11]])
+    out = model.generate(input_ids=ids, attention_mask=mask, decoder_input_ids=prefix, num_beams=3)
+    assert torch.equal(out, eager.generate(input_ids=ids, attention_mask=mask, decoder_input_ids=prefix, num_beams=3))
+    model.to(torch.bfloat16)
+    model.generate(input_ids=ids, attention_mask=mask, num_beams=2, max_new_tokens=4)
+    assert steps == []
+
+
+def test_the_step_reads_the_models_own_weights(compiled_folder, steps):
+    """No copy of the weights in the library: a change in place is decoded with at once, and tensors replaced
+    by `load_state_dict(assign=True)` are bound again."""
+    model = VaswaniForConditionalGeneration.from_pretrained(compiled_folder)
+    eager = eager_twin(compiled_folder)
+    ids, mask = batch(seed=5)
+    with torch.no_grad():
+        for m in (model, eager):
+            m.model.decoder.layers[0].feed_forward.w_1.weight.mul_(-1.5)
+    assert torch.equal(
+        model.generate(input_ids=ids, attention_mask=mask), eager.generate(input_ids=ids, attention_mask=mask)
+    )
+    other = eos_prone_model(seed=7)
+    for m in (model, eager):
+        m.load_state_dict(other.state_dict(), assign=True)
+        m.tie_weights()
+    assert torch.equal(
+        model.generate(input_ids=ids, attention_mask=mask), eager.generate(input_ids=ids, attention_mask=mask)
+    )
+    assert steps
+
+
+def copy_of(folder, tmp_path):
+    target = tmp_path / "model"
+    shutil.copytree(folder, target)
+    return target
+
+
+def edit_manifest(folder, **changes):
+    path = folder / FOLDER / MANIFEST
+    manifest = json.loads(path.read_text())
+    manifest.update(changes)
+    path.write_text(json.dumps(manifest))
+
+
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        (lambda f: edit_manifest(f, torch="2.0.0"), "made with torch 2.0.0"),
+        (lambda f: edit_manifest(f, cpu_capability="NO AVX"), "made for a CPU with NO AVX"),
+        (lambda f: eos_prone_model(seed=9).save_pretrained(f), "made for other weights"),
+        (lambda f: (f / FOLDER / PACKAGE).write_bytes((f / FOLDER / PACKAGE).read_bytes()[:5000]), "cannot be loaded"),
+        (lambda f: (f / FOLDER / MANIFEST).write_text("{"), "manifest cannot be read"),
+    ],
+    ids=["other-torch", "other-cpu", "other-weights", "truncated", "corrupt-manifest"],
+)
+def test_an_artifact_that_does_not_fit_is_one_line_and_the_eager_path(
+    compiled_folder, tmp_path, caplog, damage, message
+):
+    folder = copy_of(compiled_folder, tmp_path)
+    damage(folder)
+    with caplog.at_level(logging.WARNING, logger="vaswani_tx.compiled_decoding"):
+        model = VaswaniForConditionalGeneration.from_pretrained(folder)
+    notes = [r.getMessage() for r in caplog.records if r.name == "vaswani_tx.compiled_decoding"]
+    assert len(notes) == 1 and message in notes[0] and "\n" not in notes[0], notes
+    assert "decoding eagerly" in notes[0] and "vaswani-tx compile" in notes[0]
+    assert model._compiled_step is None
+    ids, mask = batch(seed=1)
+    expected = eager_twin(folder).generate(input_ids=ids, attention_mask=mask, num_beams=2)
+    assert torch.equal(model.generate(input_ids=ids, attention_mask=mask, num_beams=2), expected)
+
+
+def test_compile_command_refuses_what_it_cannot_compile(tmp_path, capsys):
+    assert main(["compile", str(tmp_path / "missing")]) == 2
+    assert "missing" in capsys.readouterr().err
+    with pytest.raises(UserInputError, match="float32"):
+        compile_decoder_step(eos_prone_model().to(torch.bfloat16), tmp_path)
+    assert not (tmp_path / FOLDER).exists()
