@@ -105,7 +105,8 @@ class CompiledStep:
             self.table = table_function(int(self.manifest["table_rows"]), model.config.d_model)
         constants = {name: (self.table if source == TABLE else tensors[source])
                      for name, source in self.manifest["constants"].items()}  # fmt: skip
-        self.runner.load_constants(constants, check_full_update=True, user_managed=True)
+        # (use_inactive, check_full_update, user_managed): the library reads these tensors, no copy
+        self.runner.load_constants(constants, False, True, True)
         self.bound = _identity(model)
 
     def usable(self, model: nn.Module) -> bool:
@@ -127,7 +128,7 @@ class CompiledStep:
         # The library's own entry point with the flat list of tensors (the package's __call__ would parse its
         # input and output specs again at every step).
         flat = [tokens, *self_keys, *self_values, *cross_keys, *cross_values, sources, source_mask]
-        return self.runner.loader.boxed_run(flat)[0]
+        return self.runner.boxed_run(flat)[0]
 
 
 def _identity(model: nn.Module) -> tuple:
@@ -150,7 +151,9 @@ def load_compiled_step(model: nn.Module, folder: str | os.PathLike) -> CompiledS
         problem = f"its manifest cannot be read ({error})"
     if problem is None:
         try:
-            runner = torch._inductor.aoti_load_package(str(where / PACKAGE))
+            # torch's loader itself (what `torch._inductor.aoti_load_package` wraps): importing Inductor for it
+            # would add most of a second to every model load.
+            runner = torch._C._aoti.AOTIModelPackageLoader(str(where / PACKAGE), "model", False, 1, -1)
             return CompiledStep(runner, manifest, model)
         except Exception as error:  # a truncated or foreign library: torch says so in many ways
             problem = f"it cannot be loaded ({_first_line(error)})"
