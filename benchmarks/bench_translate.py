@@ -8,7 +8,9 @@ Sets: Multi30k val (1,014 sentences, the main job's domain) and newstest2013 (3,
 job's domain, so its BLEU is low, but its sentences are long, which is what the timing needs).
 Implementations, each in a fresh process (nothing warm), each decoding with the model's saved settings
 (beam 4, alpha 0.6, source length + 50):
-- translate:       `Translator.translate` (what `vaswani-tx translate MODEL -i FILE` runs), float32;
+- translate:       `Translator.translate` (what `vaswani-tx translate MODEL -i FILE` runs), float32, on the model
+                   saved afresh with its decoding step compiled (`vaswani-tx compile`: the default path then);
+- translate-eager: the same on the folder without a compiled step (the default path of a folder never compiled);
 - translate-auto:  the same with `--dtype auto` (bfloat16 where the CPU has bf16 instructions);
 - translate-int8:  the same with `--int8`;
 - pipeline:        `pipeline("translation", model=MODEL, trust_remote_code=True)`, 32 sentences a call;
@@ -43,7 +45,7 @@ SETS = {
     "multi30k": ("multi30k-en-de/val.en", "multi30k-en-de/val.de"),
     "newstest2013": ("newstest2013-en-de/dev.en", "newstest2013-en-de/dev.de"),
 }
-IMPLEMENTATIONS = ("translate", "translate-auto", "translate-int8", "pipeline", "ct2", "ct2-int8")
+IMPLEMENTATIONS = ("translate", "translate-eager", "translate-auto", "translate-int8", "pipeline", "ct2", "ct2-int8")
 PIPELINE_BATCH = 32
 
 
@@ -70,7 +72,9 @@ def load(job: dict):
         from vaswani_tx.translation import load_translator
 
         dtype = "auto" if impl == "translate-auto" else None
-        translator = load_translator(model, device="cpu", dtype=dtype, int8=impl == "translate-int8")
+        folder = job["eager"] if impl == "translate-eager" else model
+        translator = load_translator(folder, device="cpu", dtype=dtype, int8=impl == "translate-int8")
+        job["compiled_step"] = getattr(translator.model, "_compiled_step", None) is not None
         return (lambda lines: translator.translate(lines, progress=False)), tokenizer
     if impl == "pipeline":
         from transformers import pipeline
@@ -125,6 +129,7 @@ def worker(job: dict) -> None:
                 "tokens_per_s": round(tokens / seconds, 1),
                 "bleu": round(sacrebleu.corpus_bleu(hypotheses, [references]).score, 2),
                 "peak_rss_mib": round(peak_rss_mib()),
+                "compiled_step": job.get("compiled_step"),
             }
         )
     )
@@ -144,6 +149,24 @@ def run_job(job: dict) -> dict:
 
 
 # ---- the run ------------------------------------------------------------------------------------------------
+
+
+def save_afresh(model_folder: str, tmp: Path) -> tuple[Path, Path]:
+    """The model saved with this tree's code (what `trust_remote_code` runs) twice: with its decoding step
+    compiled (`vaswani-tx compile`) and without."""
+    from transformers import AutoTokenizer
+
+    from vaswani_tx.compile_step import compile_decoder_step
+    from vaswani_tx.modeling_vaswani import VaswaniForConditionalGeneration
+
+    model = VaswaniForConditionalGeneration.from_pretrained(model_folder)
+    tokenizer = AutoTokenizer.from_pretrained(model_folder)
+    folders = tmp / "compiled", tmp / "eager"
+    for folder in folders:
+        model.save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+    compile_decoder_step(model, folders[0])
+    return folders
 
 
 def machine(threads: list[int]) -> dict:
@@ -182,6 +205,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         ct2 = Path(tmp) / "ct2"
         export_ct2(args.model, ct2)
+        compiled, eager = save_afresh(args.model, Path(tmp))
         for name in args.sets:
             source, reference = (str(args.data / part) for part in SETS[name])
             for threads in args.threads:
@@ -190,7 +214,8 @@ def main() -> None:
                         impl=impl,
                         set=name,
                         threads=threads,
-                        model=str(args.model),
+                        model=str(compiled),
+                        eager=str(eager),
                         ct2=str(ct2),
                         source=source,
                         reference=reference,
@@ -213,7 +238,13 @@ def main() -> None:
 
 def print_ratios(rows: list[dict]) -> None:
     """Each implementation's sentences/s over CTranslate2's at the same precision, set and threads."""
-    peer = {"translate": "ct2", "pipeline": "ct2", "translate-auto": "ct2-int8", "translate-int8": "ct2-int8"}
+    peer = {
+        "translate": "ct2",
+        "translate-eager": "ct2",
+        "pipeline": "ct2",
+        "translate-auto": "ct2-int8",
+        "translate-int8": "ct2-int8",
+    }
     index = {(r["set"], r["threads"], r["impl"]): r for r in rows}
     print("\nratio to CTranslate2 (sentences/s; translate-auto and translate-int8 against CTranslate2 int8):")
     for (name, threads, impl), row in index.items():

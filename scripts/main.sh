@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The README's main command: train the Multi30k EN-DE recipe on CPU from ../shared/data (under an hour
-# on 2 idle cores, measured in docs/training.md), average its last 30 checkpoints (Section 6.1), score the averaged model on the whole val
+# on 2 idle cores, measured in docs/training.md), average its last 30 checkpoints (Section 6.1), compile its decoding step
+# (about 20 s, docs/speed.md), score the averaged model on the whole val
 # set with sacreBLEU (signature printed) and translate a few sentences.
 # Run it again after stopping it: training resumes from the last checkpoint instead of starting over.
 # Extra arguments are key=value overrides of configs/train/multi30k-en-de.yaml (e.g. max_steps=200).
@@ -14,6 +15,8 @@ DATA=../shared/data/multi30k-en-de
 VX=.venv/bin/vaswani-tx
 
 $VX train "$CONFIG" --resume "$@"   # ends by averaging the last 30 checkpoints into $RUN/averaged (average_last)
+$VX compile "$RUN/averaged" ||       # its decoding step compiled ahead of time: every later process decodes faster
+    echo "(no compiled decoding step: the model decodes eagerly, with the same translations)"
 echo "== val (all $(wc -l < "$DATA/val.en") sentences), averaged model, its saved decoding settings:"
 $VX evaluate "$RUN/averaged" --source "$DATA/val.en" --reference "$DATA/val.de" --output-dir "$RUN/averaged" --force
 echo "== a few sentences:"

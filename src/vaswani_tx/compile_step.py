@@ -121,11 +121,18 @@ def compile_decoder_step(model: nn.Module, folder: str | os.PathLike) -> Path:
     if len(others) > 1 or (others and table is None):
         raise UserInputError(f"the decoder step reads tensors that are not the model's weights: {others}")
     with atomic_folder(Path(folder) / FOLDER) as out:
-        package = torch._inductor.aoti_compile_and_package(
-            program,
-            package_path=str(out / PACKAGE),
-            inductor_configs={"aot_inductor.package_constants_in_so": False},
-        )
+        try:
+            package = torch._inductor.aoti_compile_and_package(
+                program,
+                package_path=str(out / PACKAGE),
+                inductor_configs={"aot_inductor.package_constants_in_so": False},
+            )
+        except Exception as error:  # no C++ compiler, a platform Inductor does not support: the environment's
+            lines = str(error).strip().splitlines() or [type(error).__name__]
+            raise UserInputError(
+                f"AOTInductor could not compile the decoding step ({lines[0][:300]}); it needs a C++ compiler "
+                "(g++ or clang++). The model decodes eagerly without it."
+            ) from error
         runner = torch._inductor.aoti_load_package(package)
         constants = {name: (name if name in known else TABLE) for name in runner.get_constant_fqns()}
         manifest = {

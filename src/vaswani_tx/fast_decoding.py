@@ -9,12 +9,13 @@ stopping criteria and transformers' own beam-search bookkeeping (`_get_top_k_con
 - the keys and values: the self-attention's grow in place (`GrowingKeysValues`, no concatenation of the whole
   past every step), the encoder-decoder attention's are kept once per source, not once per beam, and a beam's
   reordering moves the written positions only;
-- the pre-softmax projection, the largest product of a step (d_model x 37,000 for the base model): on CPU its
-  weight is packed once for oneMKL's GEMM (`PackedProjection`), 1.25-1.55x faster than the transposed product
-  `nn.Linear` asks for (1, 32 and 128 rows, base shape, one core); the logits agree to float32 rounding (bit
-  for bit where `nn.Linear` runs the same GEMM, more than one row);
-- the logits: no float32 copy of them, and the processors that would rewrite all of them to mask a few columns
-  (minimum lengths, suppressed tokens) mask those columns in place;
+- the pre-softmax projection, the largest product of a step (d_model x 37,000 for the base model): on CPU, from
+  8 rows on, its weight is packed once for oneMKL's GEMM (`PackedProjection`), 1.2-1.9x faster than the
+  transposed product `nn.Linear` asks for (8 to 128 rows, base shape, one core; the logits agree to float32
+  rounding); with fewer rows packing gains nothing and costs a copy of W (`Projection`);
+- the logits: no float32 copy of them, very large ones and the log-probabilities written into buffers kept for
+  the call (a fresh tensor above 32 MiB costs page faults every step), and the processors that would rewrite
+  all of them to mask a few columns (minimum lengths, suppressed tokens) mask those columns in place;
 - finished sentences leave the decoder's batch (transformers decodes them to the end of the batch's longest).
 The model's own decoder `forward` computes each step: the attention reads its keys and values from the cache it
 is given (`DecodingCache` has the part of transformers' EncoderDecoderCache interface it uses).
@@ -194,6 +195,49 @@ def _fingerprint(weight: torch.Tensor) -> tuple:
     return (id(weight), weight._version, weight.data_ptr())
 
 
+# Below this many rows the product is bound by reading W, and packing gains nothing there (1-2 rows, base shape:
+# within 3%) or little against its cost in memory, a second copy of W (at 4 rows 4.4 against 6.8 ms, but +72 MiB
+# on the base model, over MarianMT's peak + 10% at batch 1).
+PACK_MIN_ROWS = 8
+# glibc maps every allocation above 32 MiB afresh (its largest mmap threshold), and a fresh (rows, V) tensor then
+# costs a page fault per 4 KiB at each step: 16-20 ms for Multi30k's 1,750 x 8,000 logits, more than the product.
+# Logits that large go into one buffer kept for the call.
+FRESH_BYTES = 32 * 2**20
+
+
+class Projection:
+    """x W^T for the pre-softmax matrix W (V, D) (Section 3.4), one call of `generate()` long: through
+    `PackedProjection` for the number of rows it packed (between `PACK_MIN_ROWS` and logits of `FRESH_BYTES`),
+    otherwise torch's product of x and W^T written into a buffer reused from step to step (the same GEMM as
+    `nn.Linear`, bit for bit). The logits returned are valid until the next call."""
+
+    def __init__(self, weight: torch.Tensor, packed: PackedProjection | None):
+        self.weight, self.packed = weight, packed
+        self.buffer: torch.Tensor | None = None
+
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        rows = hidden.reshape(-1, hidden.shape[-1])
+        if self.packed is not None and rows.shape[0] == self.packed.rows:
+            return self.packed(hidden)
+        if self.buffer is None or self.buffer.shape[0] < rows.shape[0]:
+            self.buffer = rows.new_empty(rows.shape[0], self.weight.shape[0])
+        logits = torch.mm(rows, self.weight.t(), out=self.buffer[: rows.shape[0]])
+        return logits.view(*hidden.shape[:-1], -1)
+
+    @classmethod
+    def of(cls, model: nn.Module, rows: int):
+        """The model's projection for a call that starts with `rows` rows, or None where this does not apply
+        (not float32 on the CPU, an int8 or otherwise replaced pre-softmax layer): the model's own `project`."""
+        head = model.get_output_embeddings()
+        weight = head.weight
+        if type(head) is not nn.Linear or head.bias is not None:
+            return None
+        if weight.device.type != "cpu" or weight.dtype != torch.float32:
+            return None
+        packs = rows >= PACK_MIN_ROWS and rows * weight.shape[0] * weight.element_size() <= FRESH_BYTES
+        return cls(weight, PackedProjection.of(model, rows) if packs else None)
+
+
 # --- one step ----------------------------------------------------------------------------------------------------
 
 
@@ -208,7 +252,7 @@ class DecodingSession:
         self.sources = encoder_output[::rows_per_source]
         self.source_mask = mask[::rows_per_source] if mask is not None else None
         self.cache = DecodingCache(model.config.num_decoder_layers)
-        self.projection = PackedProjection.of(model, encoder_output.shape[0])
+        self.projection = Projection.of(model, encoder_output.shape[0])
         self.final_bias = getattr(model, "final_logits_bias", None) if model.config.final_logits_bias else None
 
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -225,7 +269,7 @@ class DecodingSession:
         if self.projection is None:
             return self.model.project(hidden).float()
         logits = self.projection(hidden)
-        return logits + self.final_bias if self.final_bias is not None else logits
+        return logits.add_(self.final_bias) if self.final_bias is not None else logits
 
     def select(self, sources: torch.Tensor, rows: torch.Tensor | None = None) -> None:
         """Keep these sources, and of the decoder's rows these (default: the sources' own, one row each): the
@@ -247,7 +291,7 @@ def open_session(model, model_kwargs: dict, input_ids: torch.Tensor, max_length:
     compiled = session_applies(model, input_ids, max_length, model_kwargs)
     if compiled is None:
         return DecodingSession(model, model_kwargs, rows_per_source)
-    projection = PackedProjection.of(model, model_kwargs["encoder_outputs"][0].shape[0])
+    projection = Projection.of(model, model_kwargs["encoder_outputs"][0].shape[0])
     return CompiledSession(model, compiled, model_kwargs, rows_per_source, projection)
 
 
@@ -334,8 +378,10 @@ class CompiledSession:
             self.source_mask,
         )
         self.slots.length += 1
-        logits = self.projection(hidden) if self.projection is not None else self.model.project(hidden).float()
-        return logits + self.final_bias if self.final_bias is not None else logits
+        if self.projection is None:
+            return self.model.project(hidden).float()
+        logits = self.projection(hidden)
+        return logits.add_(self.final_bias) if self.final_bias is not None else logits
 
     def select(self, sources: torch.Tensor, rows: torch.Tensor | None = None) -> None:
         self.sources = self.sources.index_select(0, sources)
@@ -545,7 +591,7 @@ def beam_search(model, input_ids, logits_processor, stopping_criteria, generatio
 
     session = open_session(model, model_kwargs, input_ids, max_length, rows_per_source=num_beams)
     tokens = flat_running_sequences = input_ids
-    columns, scores = {}, None
+    columns, scores, log_probs_buffer = {}, None, None
     active = torch.arange(batch_size, device=device)  # the sources still decoded
     active_rows = None  # their rows, source-major (None: all)
     while True:
@@ -553,7 +599,14 @@ def beam_search(model, input_ids, logits_processor, stopping_criteria, generatio
         if active_rows is not None:  # a finished source's rows keep their last logits: it cannot change any more
             logits = scores.index_copy_(0, active_rows, logits)
         scores = logits
-        log_probs = nn.functional.log_softmax(logits, dim=-1)
+        # Into one buffer for the call: a fresh (rows, V) tensor each step costs page faults (see FRESH_BYTES).
+        if (
+            log_probs_buffer is None
+            or log_probs_buffer.shape != logits.shape
+            or log_probs_buffer.dtype != logits.dtype
+        ):
+            log_probs_buffer = torch.empty_like(logits)
+        log_probs = torch.ops.aten._log_softmax.out(logits, -1, False, out=log_probs_buffer)
         log_probs = process(logits_processor, flat_running_sequences, log_probs, columns)
         log_probs = log_probs.view(batch_size, num_beams, -1).add_(running_beam_scores[:, :, None])
         log_probs = log_probs.view(batch_size, -1)  # (B, k * V)
@@ -629,6 +682,8 @@ def beam_search(model, input_ids, logits_processor, stopping_criteria, generatio
             kept_sources = torch.searchsorted(active, still)
             offsets = torch.arange(num_beams, device=device)
             keep = keep.view(-1, num_beams)[kept_sources].reshape(-1)
+            if active_rows is None:  # the logits of all rows, kept from here on, are the projection's buffer
+                scores = scores.clone()
             active, active_rows = still, (still[:, None] * num_beams + offsets).reshape(-1)
             session.select(kept_sources, keep)
         else:
