@@ -198,7 +198,7 @@ def _fingerprint(weight: torch.Tensor) -> tuple:
 # Below this many rows the product is bound by reading W, and packing gains nothing there (1-2 rows, base shape:
 # within 3%) or little against its cost in memory, a second copy of W (at 4 rows 4.4 against 6.8 ms, but +72 MiB
 # on the base model, over MarianMT's peak + 10% at batch 1).
-PACK_MIN_ROWS = 8
+PACK_MIN_ROWS = 3
 # glibc maps every allocation above 32 MiB afresh (its largest mmap threshold), and a fresh (rows, V) tensor then
 # costs a page fault per 4 KiB at each step: 16-20 ms for Multi30k's 1,750 x 8,000 logits, more than the product.
 # Logits that large go into one buffer kept for the call.
