@@ -10,9 +10,9 @@ stopping criteria and transformers' own beam-search bookkeeping (`_get_top_k_con
   past every step), the encoder-decoder attention's are kept once per source, not once per beam, and a beam's
   reordering moves the written positions only;
 - the pre-softmax projection, the largest product of a step (d_model x 37,000 for the base model): on CPU, from
-  8 rows on, its weight is packed once for oneMKL's GEMM (`PackedProjection`), 1.2-1.9x faster than the
-  transposed product `nn.Linear` asks for (8 to 128 rows, base shape, one core; the logits agree to float32
-  rounding); with fewer rows packing gains nothing and costs a copy of W (`Projection`);
+  3 rows on, its weight is packed once for oneMKL's GEMM (`PackedProjection`), 1.2-1.9x faster than the
+  transposed product `nn.Linear` asks for (4 to 128 rows, base shape, one core; the logits agree to float32
+  rounding); with 1-2 rows packing gains nothing and costs a copy of W (`Projection`);
 - the logits: no float32 copy of them, very large ones and the log-probabilities written into buffers kept for
   the call (a fresh tensor above 32 MiB costs page faults every step), and the processors that would rewrite
   all of them to mask a few columns (minimum lengths, suppressed tokens) mask those columns in place;
@@ -87,19 +87,33 @@ class GrowingKeysValues:
     def select_rows(self, rows: torch.Tensor) -> None:
         """Keep (and reorder to) these rows of the batch: the beams that go on, or the sentences not finished."""
         for buffers in (self.keys, self.values):
-            for layer, buffer in enumerate(buffers):
-                if buffer is None:
-                    continue
-                end = self.lengths[layer]
-                if rows.numel() == buffer.shape[0]:  # beams: the same number of rows, into the spare buffer
-                    if self.spare is None or self.spare.shape != buffer.shape:
-                        self.spare = torch.empty_like(buffer)
-                    torch.index_select(buffer[:, :, :end], 0, rows, out=self.spare[:, :, :end])
-                    buffers[layer], self.spare = self.spare, buffer
-                else:
-                    selected = buffer.new_empty(rows.numel(), *buffer.shape[1:])
-                    torch.index_select(buffer[:, :, :end], 0, rows, out=selected[:, :, :end])
-                    buffers[layer] = selected
+            self.spare = select_written_rows(buffers, rows, 0, 2, self.lengths, self.spare)
+
+
+def select_written_rows(
+    buffers: list, rows: torch.Tensor, row_dim: int, position_dim: int, written: list[int], spare: torch.Tensor | None
+) -> torch.Tensor | None:
+    """Keep (and reorder to) `rows` along `row_dim` of each layer's buffer, copying its `written[layer]` positions
+    along `position_dim` only. The same number of rows (beams) goes into the spare buffer, which then takes the
+    layer's place (one copy, no allocation); fewer rows (finished sentences) into a new buffer. Returns the spare."""
+    for layer, buffer in enumerate(buffers):
+        if buffer is None:
+            continue
+        if rows.numel() == buffer.shape[row_dim]:
+            if spare is None or spare.shape != buffer.shape:
+                spare = torch.empty_like(buffer)
+            target = spare
+        else:
+            shape = list(buffer.shape)
+            shape[row_dim] = rows.numel()
+            target = buffer.new_empty(shape)
+        end = written[layer]
+        torch.index_select(buffer.narrow(position_dim, 0, end), row_dim, rows, out=target.narrow(position_dim, 0, end))
+        if target is spare:
+            buffers[layer], spare = spare, buffer
+        else:
+            buffers[layer] = target
+    return spare
 
 
 def _grown(buffer: torch.Tensor | None, new: torch.Tensor, written: int) -> torch.Tensor:
@@ -196,8 +210,8 @@ def _fingerprint(weight: torch.Tensor) -> tuple:
 
 
 # Below this many rows the product is bound by reading W, and packing gains nothing there (1-2 rows, base shape:
-# within 3%) or little against its cost in memory, a second copy of W (at 4 rows 4.4 against 6.8 ms, but +72 MiB
-# on the base model, over MarianMT's peak + 10% at batch 1).
+# within 3%) for its cost, a second copy of W. From 3 rows on it pays (at 4 rows 4.75 against 7.3 ms), for that
+# copy: +72 MiB on the base model, MarianMT's peak + 11% at beam 4 and batch 1.
 PACK_MIN_ROWS = 3
 # glibc maps every allocation above 32 MiB afresh (its largest mmap threshold), and a fresh (rows, V) tensor then
 # costs a page fault per 4 KiB at each step: 16-20 ms for Multi30k's 1,750 x 8,000 logits, more than the product.
@@ -266,10 +280,7 @@ class DecodingSession:
             use_cache=True,
             return_dict=True,
         ).last_hidden_state[:, -1]
-        if self.projection is None:
-            return self.model.project(hidden).float()
-        logits = self.projection(hidden)
-        return logits.add_(self.final_bias) if self.final_bias is not None else logits
+        return logits_of(self, hidden)
 
     def select(self, sources: torch.Tensor, rows: torch.Tensor | None = None) -> None:
         """Keep these sources, and of the decoder's rows these (default: the sources' own, one row each): the
@@ -283,6 +294,15 @@ class DecodingSession:
     def reorder(self, rows: torch.Tensor) -> None:
         """Beam search: the decoder's rows become these (each a beam of its own source)."""
         self.cache.self_attention_cache.select_rows(rows)
+
+
+def logits_of(session, hidden: torch.Tensor) -> torch.Tensor:
+    """A session's logits (rows, V), float32, for the decoder's output at the new position: its projection, plus
+    Marian's fixed bias where the model has one; the model's own `project` where the projection does not apply."""
+    if session.projection is None:
+        return session.model.project(hidden).float()
+    logits = session.projection(hidden)
+    return logits.add_(session.final_bias) if session.final_bias is not None else logits
 
 
 def open_session(model, model_kwargs: dict, input_ids: torch.Tensor, max_length: int, rows_per_source: int = 1):
@@ -324,22 +344,9 @@ class PositionSlots:
         return keys, values
 
     def select_rows(self, rows: torch.Tensor) -> None:
-        """Keep (and reorder to) these rows: beam search's reordering (into one spare buffer, which then takes
-        the layer's place: no allocation per step), or the sentences not finished."""
-        end = self.length
+        """Keep (and reorder to) these rows: beam search's reordering or the sentences not finished."""
         for buffers in (self.keys, self.values):
-            for layer, buffer in enumerate(buffers):
-                if buffer is None:
-                    continue
-                if rows.numel() == buffer.shape[1]:
-                    if self.spare is None or self.spare.shape != buffer.shape:
-                        self.spare = torch.empty_like(buffer)
-                    torch.index_select(buffer[:end], 1, rows, out=self.spare[:end])
-                    buffers[layer], self.spare = self.spare, buffer
-                else:
-                    selected = buffer.new_empty(buffer.shape[0], rows.numel(), *buffer.shape[2:])
-                    torch.index_select(buffer[:end], 1, rows, out=selected[:end])
-                    buffers[layer] = selected
+            self.spare = select_written_rows(buffers, rows, 1, 0, [self.length] * len(buffers), self.spare)
 
 
 class CompiledSession:
@@ -366,10 +373,11 @@ class CompiledSession:
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
         groups = self.sources.shape[0]
         keys, values = self.slots.views(tokens.shape[0], groups, self.heads, self.d_k, self.d_v, self.sources)
+        tokens = tokens.reshape(
+            groups, -1
+        ).contiguous()  # the library reads its inputs as contiguous: the loops' are views
         hidden = self.compiled(
-            tokens.reshape(
-                groups, -1
-            ).contiguous(),  # the library reads its inputs as contiguous: the loops' are views
+            tokens,
             keys,
             values,
             tuple(layer.keys for layer in self.cross.layers),
@@ -378,10 +386,7 @@ class CompiledSession:
             self.source_mask,
         )
         self.slots.length += 1
-        if self.projection is None:
-            return self.model.project(hidden).float()
-        logits = self.projection(hidden)
-        return logits.add_(self.final_bias) if self.final_bias is not None else logits
+        return logits_of(self, hidden)
 
     def select(self, sources: torch.Tensor, rows: torch.Tensor | None = None) -> None:
         self.sources = self.sources.index_select(0, sources)
