@@ -28,7 +28,7 @@ from .compiled_decoding import (
     weights_fingerprint,
 )
 from .errors import UserInputError
-from .static_decoding import _Slots
+from .static_decoding import _Slots, is_packed
 
 
 class DecoderStep(nn.Module):
@@ -89,7 +89,7 @@ def compile_decoder_step(model: nn.Module, folder: str | os.PathLike) -> Path:
             f"the compiled decoding step is for float32 models on the CPU; this one is {parameter.dtype} on "
             f"{parameter.device} (load it without dtype/device arguments)"
         )
-    if any(hasattr(module, "_packed_params") for module in model.modules()):
+    if is_packed(model):
         raise UserInputError("int8 models decode eagerly: compile the float32 model (int8 is --int8 at load time)")
     model.eval()
     # Positions the step can encode: the model's maximum. Sinusoids are a table the graph keeps as a constant,
