@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The README's main command: train the Multi30k EN-DE recipe on CPU from ../shared/data (under an hour
 # on 2 idle cores, measured in docs/training.md), average its last 30 checkpoints (Section 6.1), compile its decoding step
-# (about 20 s, docs/speed.md), score the averaged model on the whole val
+# (20-60 s, docs/speed.md), score the averaged model on the whole val
 # set with sacreBLEU (signature printed) and translate a few sentences.
 # Run it again after stopping it: training resumes from the last checkpoint instead of starting over.
 # Extra arguments are key=value overrides of configs/train/multi30k-en-de.yaml (e.g. max_steps=200).

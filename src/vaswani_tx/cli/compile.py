@@ -4,7 +4,7 @@ Once compiled, every later process that loads the folder (`from_pretrained`, `pi
 `vaswani-tx translate` and `evaluate`) decodes through it with no flag and no compilation wait, where it
 fits: float32 on the CPU, the same torch version and CPU instruction set, the same weights. Anything else
 decodes eagerly, with one line saying why, and the same results. It holds no copy of the weights.
-Takes about 20 s for the base model on 2 cores; run it again after changing the weights or torch.
+Takes 20-60 s for the base model or the main job's on 2 cores (60 s with Inductor's cache cold); run it again after changing the weights or torch.
 
 examples:
   vaswani-tx compile runs/multi30k-en-de/averaged
