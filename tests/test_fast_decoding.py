@@ -49,6 +49,13 @@ class EndsAt(LogitsProcessor):
         return scores + boost[:, None] * (torch.arange(scores.shape[1]) == EOS)
 
 
+class EndsAtPerSource(EndsAt):
+    """`EndsAt` that beam search can follow when finished sources leave its rows (`select_sources`)."""
+
+    def select_sources(self, sources):
+        return EndsAtPerSource(self.steps[sources].tolist(), self.start)
+
+
 def eos_prone_model(seed: int = 0):
     """A tiny model with Marian's fixed logit bias (the packed projection adds it), a little raised on </s>."""
     model = tiny_model(seed=seed, final_logits_bias=True)
@@ -77,7 +84,7 @@ def test_the_default_loops_give_transformers_ids(settings, loops):
     for seed in (0, 4):
         model = eos_prone_model(seed)
         ids, mask = batch(seed=seed, lengths=(7, 4, 6, 2))
-        ending = LogitsProcessorList([EndsAt([3, 7, 5, 12])])
+        ending = LogitsProcessorList([EndsAtPerSource([3, 7, 5, 12])])
         fast, stock = both(model, input_ids=ids, attention_mask=mask, logits_processor=ending, **settings)
         assert torch.equal(fast, stock)
         assert "min_new_tokens" in settings or len(set(ends(fast))) > 1  # sentences of several lengths
@@ -179,6 +186,37 @@ def test_a_callers_stopping_criteria_are_asked_as_transformers_asks_them(num_bea
     criteria = StoppingCriteriaList([StopAfter(token)])
     fast, stock = both(model, input_ids=ids, attention_mask=mask, num_beams=num_beams, stopping_criteria=criteria)
     assert torch.equal(fast, stock) and fast.shape[1] < plain.shape[1]
+
+
+@pytest.mark.parametrize("ending", [EndsAtPerSource, EndsAt])
+@pytest.mark.parametrize("settings", [dict(num_beams=4), dict(num_beams=3, num_return_sequences=2)])
+def test_finished_sources_leave_beam_searchs_bookkeeping_where_the_processors_can_follow(
+    ending, settings, loops, monkeypatch
+):
+    """The log-softmax and top-k run over the sources still decoded where every processor is row-local or has
+    `select_sources` (here the paper's SourceLengthCap and `EndsAtPerSource`); a processor without it (`EndsAt`)
+    keeps every source's rows. Either way transformers' ids, in the sources' order."""
+    model = eos_prone_model(seed=1)
+    ids, mask = batch(seed=2, lengths=(7, 4, 6, 2, 5, 3))
+    rows = []
+    original = type(model)._get_top_k_continuations
+    monkeypatch.setattr(
+        type(model),
+        "_get_top_k_continuations",
+        lambda self, **kw: rows.append(kw["batch_size"]) or original(self, **kw),
+    )
+    processors = LogitsProcessorList([ending([9, 2, 6, 4, 30, 6])])
+    fast = model.generate(input_ids=ids, attention_mask=mask, logits_processor=processors, **settings)
+    bookkeeping, rows[:] = list(rows), []
+    stock = model.generate(
+        input_ids=ids, attention_mask=mask, logits_processor=processors, fast_decoding=False, **settings
+    )
+    assert torch.equal(fast, stock)
+    assert len(set(ends(fast))) > 2
+    if ending is EndsAtPerSource:
+        assert bookkeeping[0] == 6 and bookkeeping[-1] < 6 and bookkeeping == sorted(bookkeeping, reverse=True)
+    else:
+        assert set(bookkeeping) == {6}
 
 
 def test_the_output_is_an_ordinary_tensor_outside_inference_mode():

@@ -16,7 +16,8 @@ stopping criteria and transformers' own beam-search bookkeeping (`_get_top_k_con
 - the logits: no float32 copy of them, very large ones and the log-probabilities written into buffers kept for
   the call (a fresh tensor above 32 MiB costs page faults every step), and the processors that would rewrite
   all of them to mask a few columns (minimum lengths, suppressed tokens) mask those columns in place;
-- finished sentences leave the decoder's batch (transformers decodes them to the end of the batch's longest).
+- finished sentences leave the decoder's batch (transformers decodes them to the end of the batch's longest),
+  and beam search's log-softmax and top-k too where the processors can follow (`sources_can_leave`).
 The model's own decoder `forward` computes each step: the attention reads its keys and values from the cache it
 is given (`DecodingCache` has the part of transformers' EncoderDecoderCache interface it uses).
 Where the model's folder holds a compiled decoding step (`vaswani-tx compile`, compiled_decoding.py) that fits the
@@ -41,11 +42,25 @@ import torch
 from torch import nn
 from transformers.cache_utils import EncoderDecoderCache
 from transformers.generation.logits_process import (
+    ForcedBOSTokenLogitsProcessor,
+    ForcedEOSTokenLogitsProcessor,
+    InfNanRemoveLogitsProcessor,
+    LogitNormalization,
+    LogitsProcessorList,
     MinLengthLogitsProcessor,
     MinNewTokensLengthLogitsProcessor,
+    NoBadWordsLogitsProcessor,
+    NoRepeatNGramLogitsProcessor,
+    RepetitionPenaltyLogitsProcessor,
+    SuppressTokensAtBeginLogitsProcessor,
     SuppressTokensLogitsProcessor,
 )
-from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
+from transformers.generation.stopping_criteria import (
+    EosTokenCriteria,
+    MaxLengthCriteria,
+    MaxTimeCriteria,
+    StopStringCriteria,
+)
 
 from .compiled_decoding import CompiledStep
 from .static_decoding import CACHE_FIELD, _Keys, is_static_cache
@@ -486,6 +501,33 @@ def _columns(columns: dict, processor, ids, scores: torch.Tensor) -> torch.Tenso
     return index
 
 
+# Processors and criteria that look at each row alone (its ids and scores), so that they give a source's rows
+# the same answer whichever other sources share the batch. Exact types: a subclass may keep state per row.
+ROW_LOCAL_PROCESSORS = (
+    ForcedBOSTokenLogitsProcessor,
+    ForcedEOSTokenLogitsProcessor,
+    InfNanRemoveLogitsProcessor,
+    LogitNormalization,
+    MinLengthLogitsProcessor,
+    MinNewTokensLengthLogitsProcessor,
+    NoBadWordsLogitsProcessor,
+    NoRepeatNGramLogitsProcessor,
+    RepetitionPenaltyLogitsProcessor,
+    SuppressTokensAtBeginLogitsProcessor,
+    SuppressTokensLogitsProcessor,
+)
+ROW_LOCAL_CRITERIA = (EosTokenCriteria, MaxLengthCriteria, MaxTimeCriteria, StopStringCriteria)
+
+
+def sources_can_leave(logits_processor, stopping_criteria) -> bool:
+    """Whether beam search may drop finished sources from the rows it gives the processors and criteria: each
+    is row-local, or per source with a `select_sources(sources)` that gives it for a subset of its sources (as
+    `SourceLengthCap` does)."""
+    return all(
+        type(p) in ROW_LOCAL_PROCESSORS or callable(getattr(p, "select_sources", None)) for p in logits_processor
+    ) and all(type(c) in ROW_LOCAL_CRITERIA for c in stopping_criteria)
+
+
 def stop(stopping_criteria, input_ids: torch.Tensor) -> torch.Tensor:
     """`stopping_criteria(input_ids, None)`: whether each row is done. The two criteria every call has are answered
     here the same way, cheaper: the length (one comparison for all rows) and the end-of-sentence token (a
@@ -597,7 +639,15 @@ def beam_search(model, input_ids, logits_processor, stopping_criteria, generatio
     session = open_session(model, model_kwargs, input_ids, max_length, rows_per_source=num_beams)
     tokens = flat_running_sequences = input_ids
     columns, scores, log_probs_buffer = {}, None, None
-    active = torch.arange(batch_size, device=device)  # the sources still decoded
+    # Finished sources leave the bookkeeping too where every processor and stopping criterion can follow
+    # (`sources_can_leave`): the log-softmax and top-k then run over the sources still decoded only (half the
+    # rows of a Multi30k val run). Otherwise their rows stay there, frozen.
+    processors = (
+        LogitsProcessorList(logits_processor) if sources_can_leave(logits_processor, stopping_criteria) else None
+    )
+    sources = torch.arange(batch_size, device=device)  # the original source of each bookkeeping row
+    finished_sequences, finished_beam_indices = sequences, beam_indices  # a source's final rows, by original id
+    active = torch.arange(batch_size, device=device)  # the bookkeeping's sources still decoded
     active_rows = None  # their rows, source-major (None: all)
     while True:
         logits = session.step(tokens)
@@ -607,12 +657,15 @@ def beam_search(model, input_ids, logits_processor, stopping_criteria, generatio
         # Into one buffer for the call: a fresh (rows, V) tensor each step costs page faults (see FRESH_BYTES).
         if (
             log_probs_buffer is None
-            or log_probs_buffer.shape != logits.shape
+            or log_probs_buffer.shape[0] < logits.shape[0]
+            or log_probs_buffer.shape[1:] != logits.shape[1:]
             or log_probs_buffer.dtype != logits.dtype
         ):
             log_probs_buffer = torch.empty_like(logits)
-        log_probs = torch.ops.aten._log_softmax.out(logits, -1, False, out=log_probs_buffer)
-        log_probs = process(logits_processor, flat_running_sequences, log_probs, columns)
+        log_probs = torch.ops.aten._log_softmax.out(logits, -1, False, out=log_probs_buffer[: logits.shape[0]])
+        log_probs = process(
+            logits_processor if processors is None else processors, flat_running_sequences, log_probs, columns
+        )
         log_probs = log_probs.view(batch_size, num_beams, -1).add_(running_beam_scores[:, :, None])
         log_probs = log_probs.view(batch_size, -1)  # (B, k * V)
 
@@ -685,18 +738,56 @@ def beam_search(model, input_ids, logits_processor, stopping_criteria, generatio
         still = active[~finished[active]]
         if still.numel() < active.numel():  # finished sources leave the decoder's batch
             kept_sources = torch.searchsorted(active, still)
-            offsets = torch.arange(num_beams, device=device)
             keep = keep.view(-1, num_beams)[kept_sources].reshape(-1)
-            if active_rows is None:  # the logits of all rows, kept from here on, are the projection's buffer
-                scores = scores.clone()
-            active, active_rows = still, (still[:, None] * num_beams + offsets).reshape(-1)
             session.select(kept_sources, keep)
+            if processors is not None:  # ... and the bookkeeping (all its sources are active: `still` are rows)
+                if finished_sequences is sequences:
+                    finished_sequences, finished_beam_indices = sequences.clone(), beam_indices.clone()
+                finished_sequences[sources[finished]] = sequences[finished]  # their hypotheses are final
+                finished_beam_indices[sources[finished]] = beam_indices[finished]
+                (
+                    sources,
+                    running_sequences,
+                    running_beam_scores,
+                    running_beam_indices,
+                    sequences,
+                    beam_scores,
+                    beam_indices,
+                    is_sent_finished,
+                    is_early_stop_heuristic_unsatisfied,
+                ) = (
+                    t[still]
+                    for t in (
+                        sources,
+                        running_sequences,
+                        running_beam_scores,
+                        running_beam_indices,
+                        sequences,
+                        beam_scores,
+                        beam_indices,
+                        is_sent_finished,
+                        is_early_stop_heuristic_unsatisfied,
+                    )
+                )
+                batch_size = still.numel()
+                active = torch.arange(batch_size, device=device)
+                processors = LogitsProcessorList(
+                    p.select_sources(still) if hasattr(p, "select_sources") else p for p in processors
+                )
+            else:
+                if active_rows is None:  # the logits of all rows, kept from here on, are the projection's buffer
+                    scores = scores.clone()
+                offsets = torch.arange(num_beams, device=device)
+                active, active_rows = still, (still[:, None] * num_beams + offsets).reshape(-1)
         else:
             session.reorder(keep)
         flat_running_sequences = running_sequences[:, :, :cur_len].reshape(batch_size * num_beams, cur_len)
         tokens = flat_running_sequences[:, -1:] if active_rows is None else flat_running_sequences[active_rows, -1:]
 
-    sequences = sequences[:, :num_return_sequences, :].reshape(batch_size * num_return_sequences, -1)
-    beam_indices = beam_indices[:, :num_return_sequences, :].reshape(batch_size * num_return_sequences, -1)
+    if finished_sequences is not sequences:
+        finished_sequences[sources], finished_beam_indices[sources] = sequences, beam_indices
+        sequences, beam_indices = finished_sequences, finished_beam_indices
+    sequences = sequences[:, :num_return_sequences, :].reshape(-1, sequences.shape[-1])
+    beam_indices = beam_indices[:, :num_return_sequences, :].reshape(-1, beam_indices.shape[-1])
     max_generated_length = ((beam_indices + 1).bool()).sum(dim=1).max()
     return sequences[:, : decoder_prompt_len + max_generated_length]

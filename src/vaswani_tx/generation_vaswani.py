@@ -21,6 +21,7 @@ transformers, errors.py, fast_decoding.py and static_decoding.py only.
 
 from __future__ import annotations
 
+import copy
 import math
 
 import torch
@@ -81,6 +82,12 @@ class SourceLengthCap(LogitsProcessor):
         self.eos_token_id = eos_token_id
         self.score_forced_eos = score_forced_eos
         self.prompt_length: int | None = None
+
+    def select_sources(self, sources: torch.Tensor) -> SourceLengthCap:
+        """This cap for a subset of its sources (beam search drops the finished ones from its rows)."""
+        selected = copy.copy(self)
+        selected.max_tokens = self.max_tokens[sources.to(self.max_tokens.device)]
+        return selected
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         if self.prompt_length is None:

@@ -26,6 +26,7 @@ scorer are ``vaswani_tx.parsing``; the run that trains a parser is ``vaswani_tx.
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import time
@@ -104,6 +105,16 @@ class TreeConstraint(LogitsProcessor):
                 )
             width = max((len(ids) for ids in leaf_ids), default=0) or 1
             self.leaf_ids = torch.tensor([list(ids) + [eos_token_id] * (width - len(ids)) for ids in leaf_ids])
+
+    def select_sources(self, sources: torch.Tensor) -> TreeConstraint:
+        """This constraint for a subset of its sentences (beam search drops the finished ones from its rows)."""
+        selected = copy.copy(self)
+        selected.word_counts = self.word_counts[sources.to(self.word_counts.device)]
+        if self.max_new_tokens is not None:
+            selected.max_new_tokens = self.max_new_tokens[sources.to(self.max_new_tokens.device)]
+        if self.leaf_ids is not None:
+            selected.leaf_ids = self.leaf_ids[sources.to(self.leaf_ids.device)]
+        return selected
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         device = scores.device
