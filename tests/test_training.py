@@ -283,6 +283,9 @@ def test_kill_9_then_resume_equals_an_uninterrupted_run_bit_for_bit(tiny_recipe,
     for name, tensor in load_file(whole / "model.safetensors").items():
         assert torch.equal(load_file(broken / "model.safetensors")[name], tensor), name
     assert (whole / "curves.png").stat().st_size > 1000
+    # the clock goes on from the minutes logged before the kill (curves.png draws dev BLEU against it)
+    minutes = [e["train_minutes"] for e in json.loads((broken / "log_history.json").read_text()) if "loss" in e]
+    assert len(minutes) == len(losses(broken)) and minutes == sorted(minutes) and minutes[0] >= 0
 
 
 def _free_port() -> int:
@@ -609,3 +612,20 @@ def test_train_command_takes_overrides_before_or_after_resume(monkeypatch):
     assert seen == [(["max_steps=5", "seed=2"], True)] * 2
     with pytest.raises(SystemExit):
         cli.main(["train", "c.yaml", "--resume", "max_steps=5", "--bogus"])
+
+
+def test_curves_draw_dev_bleu_against_minutes_where_the_history_has_them(tmp_path):
+    from vaswani_tx.recipe import _interpolate, plot_curves
+
+    history = [{"loss": 5.0 - s / 100, "step": s, "train_minutes": s / 60} for s in range(10, 110, 10)]
+    history += [
+        {"eval_loss": 4.0, "eval_sacrebleu": b, "step": s, "train_minutes": s / 50} for s, b in ((50, 9), (100, 12))
+    ]
+    with_minutes = plot_curves(history, tmp_path / "minutes.png")
+    without = plot_curves(
+        [{k: v for k, v in e.items() if k != "train_minutes"} for e in history], tmp_path / "steps.png"
+    )
+    assert with_minutes.stat().st_size > 1000 and without.stat().st_size > 1000
+    # the step axis over the minutes one: exact at the evaluations, continued beyond them (never NaN)
+    to_steps = _interpolate([1.0, 2.0], [50, 100])
+    assert list(to_steps([1.0, 1.5, 2.0, 0.0, 3.0])) == [50, 75, 100, 0, 150]

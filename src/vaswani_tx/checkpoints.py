@@ -229,6 +229,28 @@ class TimedCheckpointCallback(TrainerCallback):
         return control
 
 
+class TrainingClock(TrainerCallback):
+    """Wall-clock training minutes (`train_minutes`) in every entry of the log history, so that curves can be
+    drawn against time, the budget a CPU run is held to. Counted from `train()`'s start, evaluations and
+    checkpoint writing included, and added to the last minutes logged before a resume (time spent stopped is
+    not counted)."""
+
+    def __init__(self) -> None:
+        self.started = time.monotonic()
+        self.before = 0.0
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.started = time.monotonic()
+        self.before = max((e["train_minutes"] for e in state.log_history if "train_minutes" in e), default=0.0)
+
+    def minutes(self) -> float:
+        return self.before + (time.monotonic() - self.started) / 60
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if state.log_history:  # the entry the Trainer has just appended for these logs
+            state.log_history[-1]["train_minutes"] = round(self.minutes(), 2)
+
+
 # ---- Section 6.1: checkpoint averaging ----
 
 

@@ -29,13 +29,13 @@ from __future__ import annotations
 import copy
 import logging
 import os
-import time
 from collections.abc import Sequence
 from typing import Any
 
 import torch
-from transformers import LogitsProcessor, TrainerCallback
+from transformers import LogitsProcessor
 
+from vaswani_tx.checkpoints import TrainingClock
 from vaswani_tx.errors import UserInputError
 from vaswani_tx.parsing import PLACEHOLDER, TREE_LEAVES, UNKNOWN_WORDS, Tree, bracket_f1, delinearize, word_class
 from vaswani_tx.translation import Translator, load_translator
@@ -254,7 +254,7 @@ def parse(
     return [delinearize(text, words, tags) for text, words in zip(outputs, sentences)]
 
 
-class DevBracketF1Callback(TrainerCallback):
+class DevBracketF1Callback(TrainingClock):
     """At each evaluation, parse the dev trees' sentences with the model being trained and log their EVALB
     bracketing F1 (``eval_bracket_f1``, with precision, recall and the training minutes so far) into the
     Trainer's log history, which ``curves.png`` draws against minutes.
@@ -269,19 +269,11 @@ class DevBracketF1Callback(TrainerCallback):
         self.constrained = constrained
         self.num_beams = num_beams
         self.batch_size = batch_size
-        self.started: float | None = None
-        self.minutes_before: float | None = None
-
-    def on_train_begin(self, args, state, control, **kwargs):
-        self.started = time.monotonic()
+        super().__init__()
 
     def on_evaluate(self, args, state, control, model=None, processing_class=None, **kwargs):
         if not state.is_world_process_zero or model is None or processing_class is None or not self.dev_trees:
             return
-        if self.minutes_before is None:
-            self.minutes_before = max(
-                (e["train_minutes"] for e in state.log_history if "train_minutes" in e), default=0
-            )
         was_training = model.training
         model.eval()
         sentences = [tree.words() for tree in self.dev_trees]
@@ -294,7 +286,7 @@ class DevBracketF1Callback(TrainerCallback):
         )
         model.train(was_training)
         scores = bracket_f1(self.dev_trees, predicted)
-        minutes = self.minutes_before + (time.monotonic() - (self.started or time.monotonic())) / 60
+        minutes = self.minutes()
         entry = {
             "eval_bracket_f1": round(scores["f1"], 2),
             "eval_bracket_precision": round(scores["precision"], 2),
