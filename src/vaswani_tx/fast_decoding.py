@@ -41,18 +41,11 @@ import weakref
 import torch
 from torch import nn
 from transformers.cache_utils import EncoderDecoderCache
+from transformers.generation import logits_process
 from transformers.generation.logits_process import (
-    ForcedBOSTokenLogitsProcessor,
-    ForcedEOSTokenLogitsProcessor,
-    InfNanRemoveLogitsProcessor,
-    LogitNormalization,
     LogitsProcessorList,
     MinLengthLogitsProcessor,
     MinNewTokensLengthLogitsProcessor,
-    NoBadWordsLogitsProcessor,
-    NoRepeatNGramLogitsProcessor,
-    RepetitionPenaltyLogitsProcessor,
-    SuppressTokensAtBeginLogitsProcessor,
     SuppressTokensLogitsProcessor,
 )
 from transformers.generation.stopping_criteria import (
@@ -388,9 +381,7 @@ class CompiledSession:
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
         groups = self.sources.shape[0]
         keys, values = self.slots.views(tokens.shape[0], groups, self.heads, self.d_k, self.d_v, self.sources)
-        tokens = tokens.reshape(
-            groups, -1
-        ).contiguous()  # the library reads its inputs as contiguous: the loops' are views
+        tokens = tokens.reshape(groups, -1).contiguous()  # the library reads contiguous inputs: the loops' are views
         hidden = self.compiled(
             tokens,
             keys,
@@ -504,17 +495,17 @@ def _columns(columns: dict, processor, ids, scores: torch.Tensor) -> torch.Tenso
 # Processors and criteria that look at each row alone (its ids and scores), so that they give a source's rows
 # the same answer whichever other sources share the batch. Exact types: a subclass may keep state per row.
 ROW_LOCAL_PROCESSORS = (
-    ForcedBOSTokenLogitsProcessor,
-    ForcedEOSTokenLogitsProcessor,
-    InfNanRemoveLogitsProcessor,
-    LogitNormalization,
-    MinLengthLogitsProcessor,
-    MinNewTokensLengthLogitsProcessor,
-    NoBadWordsLogitsProcessor,
-    NoRepeatNGramLogitsProcessor,
-    RepetitionPenaltyLogitsProcessor,
-    SuppressTokensAtBeginLogitsProcessor,
-    SuppressTokensLogitsProcessor,
+    logits_process.ForcedBOSTokenLogitsProcessor,
+    logits_process.ForcedEOSTokenLogitsProcessor,
+    logits_process.InfNanRemoveLogitsProcessor,
+    logits_process.LogitNormalization,
+    logits_process.MinLengthLogitsProcessor,
+    logits_process.MinNewTokensLengthLogitsProcessor,
+    logits_process.NoBadWordsLogitsProcessor,
+    logits_process.NoRepeatNGramLogitsProcessor,
+    logits_process.RepetitionPenaltyLogitsProcessor,
+    logits_process.SuppressTokensAtBeginLogitsProcessor,
+    logits_process.SuppressTokensLogitsProcessor,
 )
 ROW_LOCAL_CRITERIA = (EosTokenCriteria, MaxLengthCriteria, MaxTimeCriteria, StopStringCriteria)
 
@@ -745,30 +736,11 @@ def beam_search(model, input_ids, logits_processor, stopping_criteria, generatio
                     finished_sequences, finished_beam_indices = sequences.clone(), beam_indices.clone()
                 finished_sequences[sources[finished]] = sequences[finished]  # their hypotheses are final
                 finished_beam_indices[sources[finished]] = beam_indices[finished]
-                (
-                    sources,
-                    running_sequences,
-                    running_beam_scores,
-                    running_beam_indices,
-                    sequences,
-                    beam_scores,
-                    beam_indices,
-                    is_sent_finished,
-                    is_early_stop_heuristic_unsatisfied,
-                ) = (
-                    t[still]
-                    for t in (
-                        sources,
-                        running_sequences,
-                        running_beam_scores,
-                        running_beam_indices,
-                        sequences,
-                        beam_scores,
-                        beam_indices,
-                        is_sent_finished,
-                        is_early_stop_heuristic_unsatisfied,
-                    )
-                )
+                running = [t[still] for t in (sources, running_sequences, running_beam_scores, running_beam_indices)]
+                sources, running_sequences, running_beam_scores, running_beam_indices = running
+                ended = [t[still] for t in (sequences, beam_scores, beam_indices, is_sent_finished)]
+                sequences, beam_scores, beam_indices, is_sent_finished = ended
+                is_early_stop_heuristic_unsatisfied = is_early_stop_heuristic_unsatisfied[still]
                 batch_size = still.numel()
                 active = torch.arange(batch_size, device=device)
                 processors = LogitsProcessorList(
