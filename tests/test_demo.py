@@ -153,8 +153,12 @@ def test_the_page_in_headless_chromium(url, translator, tmp_path):
             "Chromium or its driver is missing (apt-get install chromium chromium-driver; scripts/test.sh "
             "installs them in CI)"
         )
+    from selenium.common.exceptions import StaleElementReferenceException
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import WebDriverWait
+
+    def wait(driver):  # Gradio replaces the elements it updates: one found a moment ago may be gone, look again
+        return WebDriverWait(driver, 30, ignored_exceptions=(StaleElementReferenceException,))
 
     driver = browser_steps.open_browser()
     try:
@@ -165,16 +169,14 @@ def test_the_page_in_headless_chromium(url, translator, tmp_path):
         assert "encoder-decoder attention" in labels and "Layer" in labels and "Head" in labels
         heatmap = driver.find_element(By.CSS_SELECTOR, "#heatmap img").get_attribute("src")
         driver.find_element(By.XPATH, "//label[contains(., 'encoder self-attention')]").click()  # another map
-        WebDriverWait(driver, 30).until(
-            lambda d: d.find_element(By.CSS_SELECTOR, "#heatmap img").get_attribute("src") != heatmap
-        )
+        wait(driver).until(lambda d: d.find_element(By.CSS_SELECTOR, "#heatmap img").get_attribute("src") != heatmap)
         screenshot = browser_steps.save_screenshot(driver, tmp_path / "demo.png")
         assert screenshot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and screenshot.stat().st_size > 20_000
         source = driver.find_element(By.CSS_SELECTOR, "#source textarea")
         source.clear()
         source.send_keys("   ")
         driver.find_element(By.CSS_SELECTOR, "#translate").click()
-        WebDriverWait(driver, 30).until(
+        wait(driver).until(
             lambda d: any("only spaces" in e.text for e in d.find_elements(By.CSS_SELECTOR, ".toast-body"))
         )
     finally:
