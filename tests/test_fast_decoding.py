@@ -6,6 +6,8 @@ Speed is measured by benchmarks/bench_speed.py and bench_translate.py, never ass
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
@@ -199,12 +201,13 @@ def test_finished_sources_leave_beam_searchs_bookkeeping_where_the_processors_ca
     model = eos_prone_model(seed=1)
     ids, mask = batch(seed=2, lengths=(7, 4, 6, 2, 5, 3))
     rows = []
-    original = type(model)._get_top_k_continuations
-    monkeypatch.setattr(
-        type(model),
-        "_get_top_k_continuations",
-        lambda self, **kw: rows.append(kw["batch_size"]) or original(self, **kw),
-    )
+    original = fast_decoding.top_k_continuations
+
+    def counting(model, log_probs, *args):
+        rows.append(log_probs.shape[0])  # the bookkeeping's sources this step
+        return original(model, log_probs, *args)
+
+    monkeypatch.setattr(fast_decoding, "top_k_continuations", counting)
     processors = LogitsProcessorList([ending([9, 2, 6, 4, 30, 6])])
     fast = model.generate(input_ids=ids, attention_mask=mask, logits_processor=processors, **settings)
     bookkeeping, rows[:] = list(rows), []
@@ -225,3 +228,28 @@ def test_the_output_is_an_ordinary_tensor_outside_inference_mode():
     output = model.generate(input_ids=ids, attention_mask=mask, num_beams=2)
     assert not output.is_inference()
     output[:, 0] = 0  # in place, as callers do with generate()'s output
+
+
+@pytest.mark.parametrize("width", [4096, 6 * 1000 + 37])  # whole blocks of 64; a partial last block
+def test_the_block_top_k_gives_torch_topks_values_at_its_indices(width):
+    g = torch.Generator().manual_seed(width)
+    scores = torch.randn(5, width, generator=g)
+    scores[1, :-3] = -math.inf  # a row all but masked (the length cap forcing </s>), its best in the partial block
+    scores[2, 100:110] = 7.0  # exact ties at the top
+    scores[3, -1] = 9.0  # the best score in the last column
+    for k in (1, 8, 12):
+        values, indices = fast_decoding.largest(scores, k)
+        expected_values, expected_indices = torch.topk(scores, k)
+        assert torch.equal(values, expected_values)
+        assert torch.equal(scores.gather(1, indices), values)  # each value where it says
+        untied = [0, 3, 4]  # rows without ties among their k best: the same indices too
+        assert torch.equal(indices[untied], expected_indices[untied])
+        assert all(len(set(row.tolist())) == k for row in indices)  # no column twice
+
+
+def test_beam_search_over_a_vocabulary_large_enough_for_the_block_top_k(loops):
+    model = tiny_model(seed=3, vocab_size=2000)  # 4 beams x 2,000 scores a source: the block path
+    ids, mask = batch(seed=4, lengths=(7, 4, 6), vocab=2000)
+    fast, stock = both(model, input_ids=ids, attention_mask=mask, num_beams=4, max_new_tokens=12)
+    assert torch.equal(fast, stock)
+    assert loops == ["beam_search"]
