@@ -2,7 +2,7 @@
 # The README's main command: train the Multi30k EN-DE recipe on CPU from ../shared/data (under an hour
 # on 2 idle cores, measured in docs/training.md), average its last 30 checkpoints (Section 6.1), compile its decoding step
 # (20-60 s, docs/speed.md), score the averaged model on the whole val
-# set with sacreBLEU (signature printed) and translate a few sentences.
+# set with sacreBLEU (signature printed) and on val's held-aside half, and translate a few sentences.
 # Run it again after stopping it: training resumes from the last checkpoint instead of starting over.
 # Extra arguments are key=value overrides of configs/train/multi30k-en-de.yaml (e.g. max_steps=200).
 set -euo pipefail
@@ -19,6 +19,15 @@ $VX compile "$RUN/averaged" ||       # its decoding step compiled ahead of time:
     echo "(no compiled decoding step: the model decodes eagerly, with the same translations)"
 echo "== val (all $(wc -l < "$DATA/val.en") sentences), averaged model, its saved decoding settings:"
 $VX evaluate "$RUN/averaged" --source "$DATA/val.en" --reference "$DATA/val.de" --output-dir "$RUN/averaged" --force
+# Val in two halves (docs/training.md): levers are chosen on the first (tuning) half, the second is reported.
+HALF=$(( ($(wc -l < "$DATA/val.en") + 1) / 2 ))
+for side in en de; do
+    head -n "$HALF" "$DATA/val.$side" > "$RUN/val-tune.$side"
+    tail -n +"$((HALF + 1))" "$DATA/val.$side" > "$RUN/val-held.$side"
+done
+echo "== val's held-aside half (lines $((HALF + 1))-$(wc -l < "$DATA/val.en"), no choice made on it; lowercased beside cased):"
+$VX evaluate "$RUN/averaged" --source "$RUN/val-held.en" --reference "$RUN/val-held.de" --output-dir "$RUN/averaged" \
+    --name val-held --force
 echo "== a few sentences:"
 $VX translate "$RUN/averaged" "A man in a blue shirt is riding a bike down the street." \
     "Two dogs are playing in the snow." "A little girl is reading a book on a bench." \
