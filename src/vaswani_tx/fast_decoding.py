@@ -678,9 +678,7 @@ def beam_search(model, input_ids, logits_processor, stopping_criteria, generatio
     # Finished sources leave the bookkeeping too where every processor and stopping criterion can follow
     # (`sources_can_leave`): the log-softmax and top-k then run over the sources still decoded only (half the
     # rows of a Multi30k val run). Otherwise their rows stay there, frozen.
-    processors = (
-        LogitsProcessorList(logits_processor) if sources_can_leave(logits_processor, stopping_criteria) else None
-    )
+    narrowing, processors = sources_can_leave(logits_processor, stopping_criteria), logits_processor
     sources = torch.arange(batch_size, device=device)  # the original source of each bookkeeping row
     finished_sequences, finished_beam_indices = sequences, beam_indices  # a source's final rows, by original id
     active = torch.arange(batch_size, device=device)  # the bookkeeping's sources still decoded
@@ -699,9 +697,7 @@ def beam_search(model, input_ids, logits_processor, stopping_criteria, generatio
         ):
             log_probs_buffer = torch.empty_like(logits)
         log_probs = torch.ops.aten._log_softmax.out(logits, -1, False, out=log_probs_buffer[: logits.shape[0]])
-        log_probs = process(
-            logits_processor if processors is None else processors, flat_running_sequences, log_probs, columns
-        )
+        log_probs = process(processors, flat_running_sequences, log_probs, columns)
         log_probs = log_probs.view(batch_size, num_beams, -1).add_(running_beam_scores[:, :, None])
         log_probs = log_probs.view(batch_size, -1)  # (B, k * V)
 
@@ -768,7 +764,7 @@ def beam_search(model, input_ids, logits_processor, stopping_criteria, generatio
             kept_sources = torch.searchsorted(active, still)
             keep = keep.view(-1, num_beams)[kept_sources].reshape(-1)
             session.select(kept_sources, keep)
-            if processors is not None:  # ... and the bookkeeping (all its sources are active: `still` are rows)
+            if narrowing:  # ... and the bookkeeping (all its sources are active: `still` are rows)
                 if finished_sequences is sequences:
                     finished_sequences, finished_beam_indices = sequences.clone(), beam_indices.clone()
                 finished_sequences[sources[finished]] = sequences[finished]  # their hypotheses are final
@@ -781,7 +777,7 @@ def beam_search(model, input_ids, logits_processor, stopping_criteria, generatio
                 batch_size = still.numel()
                 active = torch.arange(batch_size, device=device)
                 processors = LogitsProcessorList(
-                    p.select_sources(still) if hasattr(p, "select_sources") else p for p in processors
+                    p.select_sources(still) if type(p) not in ROW_LOCAL_PROCESSORS else p for p in processors
                 )
             else:
                 if active_rows is None:  # the logits of all rows, kept from here on, are the projection's buffer
