@@ -93,6 +93,26 @@ def test_int8_linear_equals_torch_dynamic_quantized_linear():
         assert torch.equal(module(x), stock)
 
 
+def test_int8_linear_takes_onednn_packing_from_many_rows():
+    """From MANY_ROWS rows the same int8 weights go through oneDNN's packing: as close to float32 as fbgemm's
+    result (the two may round an activation to int8 differently), and the stock kernel below it, bit for bit."""
+    if "onednn" not in torch.backends.quantized.supported_engines:
+        pytest.skip("this torch has no oneDNN quantized engine")
+    engine, model = torch.backends.quantized.engine, tiny_model(seed=2)
+    module = quantize_int8(model).lm_head
+    assert module.many_rows_params is not None and torch.backends.quantized.engine == engine  # switched back
+    kernel, fbgemm = torch.ops.quantized.linear_dynamic, module._packed_params._packed_params
+    generator = torch.Generator().manual_seed(0)
+    few = torch.randn(Int8Linear.MANY_ROWS - 1, 24, generator=generator)
+    many = torch.randn(2, Int8Linear.MANY_ROWS // 2, 24, generator=generator)
+    assert torch.equal(module(few), kernel(few, fbgemm, True))
+    assert torch.equal(module(many), kernel(many, module.many_rows_params, True))
+    with torch.no_grad():
+        exact = model.lm_head(many)
+    onednn_error, fbgemm_error = ((out - exact).abs().max() for out in (module(many), kernel(many, fbgemm, True)))
+    assert onednn_error <= 1.5 * fbgemm_error + 1e-6
+
+
 def test_int8_refuses_a_model_that_is_not_float32():
     with pytest.raises(ValueError, match="float32 model"):
         quantize_int8(tiny_model().to(torch.bfloat16))

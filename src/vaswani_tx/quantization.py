@@ -14,8 +14,11 @@ for the lookups while the pre-softmax projection uses its own int8 copy.
 This uses ``torch.ao.quantization.quantize_dynamic`` (fbgemm/x86 kernels), which PyTorch marks
 deprecated in favour of torchao; it is the int8 path that works in stock PyTorch on CPU today, and
 its deprecation warnings are silenced here rather than shown to every user. The quantized layers
-become :class:`Int8Linear`, the same module with a shorter forward (same kernel, same output). The
-quantized model is for inference only (no gradients) and is not saved with ``save_pretrained``:
+become :class:`Int8Linear`, the same module with a shorter forward (same kernel, same output) that
+also holds the same int8 weights packed for oneDNN, whose kernels use AMX/VNNI tiles: from about 32
+rows up (beam search over a batch) they are faster than fbgemm's, up to 10x at the pre-softmax
+projection, while fbgemm's stay faster on a few rows (docs/speed.md, benchmarks/bench_int8_kernels.py).
+The quantized model is for inference only (no gradients) and is not saved with ``save_pretrained``:
 quantize after loading. ``benchmarks/bench_int8_bleu.py`` measures what int8 costs in BLEU and
 gains in speed against the float32 model.
 """
@@ -61,7 +64,24 @@ def quantize_int8(model: nn.Module, inplace: bool = False) -> nn.Module:
     for module in model.modules():
         if type(module) is DynamicQuantizedLinear:
             module.__class__ = Int8Linear
+            module.many_rows_params = _onednn_packing(module)
     return model
+
+
+def _onednn_packing(module: DynamicQuantizedLinear):
+    """The module's int8 weights and bias packed for oneDNN's kernel, or None where torch has no oneDNN
+    engine or it cannot pack for it (the layer then runs on fbgemm's packing alone, as before). Packing follows
+    the global engine, hence the switch around it."""
+    if "onednn" not in torch.backends.quantized.supported_engines:
+        return None
+    engine = torch.backends.quantized.engine
+    try:
+        torch.backends.quantized.engine = "onednn"
+        return torch.ops.quantized.linear_prepack(module.weight(), module.bias())
+    except RuntimeError:
+        return None
+    finally:
+        torch.backends.quantized.engine = engine
 
 
 class Int8Linear(DynamicQuantizedLinear):
@@ -69,11 +89,20 @@ class Int8Linear(DynamicQuantizedLinear):
     directly. A decoding step makes some 50 of these calls on a handful of rows, where the stock
     forward's version and dtype checks and the operator packet's Python dispatch are a measurable part
     of the step. Same kernel, same arguments (per-row weight scales, the `reduce_range` of the module's
-    version 4), same output."""
+    version 4), same output.
+
+    From `MANY_ROWS` rows up it calls the same kernel on `many_rows_params`, the same int8 weights packed
+    for oneDNN (see the module docstring): the same weights and the same kind of activation scale, so the
+    two agree to within the quantization's own error (an activation may round to the neighbouring int8
+    value), not bit for bit."""
 
     _kernel = torch.ops.quantized.linear_dynamic.default
+    MANY_ROWS = 32  # where oneDNN overtakes fbgemm at the base shape's layers on one thread (docs/speed.md)
+    many_rows_params = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.many_rows_params is not None and x.numel() >= self.MANY_ROWS * self.in_features:
+            return self._kernel(x, self.many_rows_params, True)
         return self._kernel(x, self._packed_params._packed_params, True)
 
 
