@@ -16,7 +16,7 @@ deprecated in favour of torchao; it is the int8 path that works in stock PyTorch
 its deprecation warnings are silenced here rather than shown to every user. The quantized layers
 become :class:`Int8Linear`, the same module with a shorter forward (same kernel, same output) that
 also holds the same int8 weights packed for oneDNN, whose kernels use AMX/VNNI tiles: from about 32
-rows up (beam search over a batch) they are faster than fbgemm's, up to 10x at the pre-softmax
+rows up (beam search over a batch) they are faster than fbgemm's, several times at the pre-softmax
 projection, while fbgemm's stay faster on a few rows (docs/speed.md, benchmarks/bench_int8_kernels.py).
 The quantized model is for inference only (no gradients) and is not saved with ``save_pretrained``:
 quantize after loading. ``benchmarks/bench_int8_bleu.py`` measures what int8 costs in BLEU and
