@@ -88,8 +88,8 @@ class Int8Linear(DynamicQuantizedLinear):
     """torch's dynamically quantized Linear with a shorter `forward`: the int8 kernel's overload called
     directly. A decoding step makes some 50 of these calls on a handful of rows, where the stock
     forward's version and dtype checks and the operator packet's Python dispatch are a measurable part
-    of the step. Same kernel, same arguments (per-row weight scales, the `reduce_range` of the module's
-    version 4), same output.
+    of the step. Below `MANY_ROWS` rows: the same kernel, the same arguments (per-row weight scales, the
+    `reduce_range` of the module's version 4), the same output.
 
     From `MANY_ROWS` rows up it calls the same kernel on `many_rows_params`, the same int8 weights packed
     for oneDNN (see the module docstring): the same weights and the same kind of activation scale, so the
