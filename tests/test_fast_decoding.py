@@ -133,6 +133,28 @@ def test_the_packed_projection_follows_the_weights():
     torch.testing.assert_close(fast_decoding.PackedProjection.of(model, ids.shape[0])(hidden), model.lm_head(hidden))
 
 
+@pytest.mark.parametrize("rows", [3, 5, 8, 12])
+def test_below_pack_all_rows_a_share_of_the_projection_is_packed(rows):
+    """Below PACK_ALL_ROWS rows the packed copy holds only W's first PACK_FEW_ROWS_SHARE (less memory for a smaller
+    gain); the logits are the whole product either way, in the caller's buffer where one is given."""
+    model = eos_prone_model()
+    if not fast_decoding.can_pack(model.lm_head.weight):
+        pytest.skip("torch without oneMKL: the projection is not packed")
+    vocabulary = model.lm_head.weight.shape[0]
+    packed = fast_decoding.PackedProjection(model.lm_head.weight, rows)
+    share = 1.0 if rows >= fast_decoding.PACK_ALL_ROWS else fast_decoding.PACK_FEW_ROWS_SHARE
+    assert packed.split == math.ceil(vocabulary * share)
+    hidden = torch.randn(rows, model.config.d_model)
+    expected = hidden @ model.lm_head.weight.t()
+    torch.testing.assert_close(packed(hidden), expected)
+    out = torch.full((rows, vocabulary), float("nan"))
+    logits = fast_decoding.Projection(model.lm_head.weight, packed)(hidden)
+    torch.testing.assert_close(logits, expected)
+    if packed.split < vocabulary:
+        assert packed(hidden, out=out).data_ptr() == out.data_ptr()
+        torch.testing.assert_close(out, expected)
+
+
 def test_int8_and_bfloat16_models_take_the_default_loops_unpacked(loops):
     ids, mask = batch()
     int8 = quantize_int8(eos_prone_model())

@@ -13,7 +13,8 @@ maxima first), so the output ids are transformers' own. What they save, per step
 - the pre-softmax projection, the largest product of a step (d_model x 37,000 for the base model): on CPU, from
   3 rows on, its weight is packed once for oneMKL's GEMM (`PackedProjection`), 1.2-1.9x faster than the
   transposed product `nn.Linear` asks for (4 to 128 rows, base shape, one core; the logits agree to float32
-  rounding); with 1-2 rows packing gains nothing and costs a copy of W (`Projection`);
+  rounding); with 1-2 rows packing gains nothing and costs a copy of W (`Projection`), and below 8 rows only a
+  share of W is packed, for memory;
 - the logits: no float32 copy of them, very large ones and the log-probabilities written into buffers kept for
   the call (a fresh tensor above 32 MiB costs page faults every step), and the processors that would rewrite
   all of them to mask a few columns (minimum lengths, suppressed tokens) mask those columns in place;
@@ -187,20 +188,31 @@ def can_pack(weight: torch.Tensor) -> bool:
 class PackedProjection:
     """x W^T for the pre-softmax matrix W (V, D) (Section 3.4), through oneMKL's GEMM on a copy of W packed once
     for a number of rows (as Inductor's weight freezing does); oneMKL's packed GEMM takes only that number of rows,
-    and torch computes any other with its usual product. Kept per model (one packing, about W's size) while W is
+    and torch computes any other with its usual product. Kept per model (one packing, about W's size, or a share
+    of it below `PACK_ALL_ROWS` rows, the other rows of W taking the usual product) while W is
     unchanged (its identity and in-place version are checked at every `generate()`); a `generate()` with another
     number of rows packs again (about 20 ms for the base model)."""
 
     def __init__(self, weight: torch.Tensor, rows: int):
         self.weight, self.rows = weight, rows
         self.fingerprint = _fingerprint(weight)
+        # Below PACK_ALL_ROWS rows, W's first PACK_FEW_ROWS_SHARE only; its other rows take the usual product.
+        vocabulary = weight.shape[0]
+        self.split = vocabulary if rows >= PACK_ALL_ROWS else math.ceil(vocabulary * PACK_FEW_ROWS_SHARE)
         with torch.no_grad():
-            self.packed = torch.ops.mkl._mkl_reorder_linear_weight(weight.detach(), rows)
+            self.packed = torch.ops.mkl._mkl_reorder_linear_weight(weight.detach()[: self.split], rows)
 
-    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+    def __call__(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The logits (..., V); where W is packed in part, written into `out` (rows, V) when given."""
         rows = hidden.reshape(-1, hidden.shape[-1])
-        logits = torch.ops.mkl._mkl_linear(rows, self.packed, self.weight, None, self.rows)
-        return logits.view(*hidden.shape[:-1], -1)
+        split, weight = self.split, self.weight
+        packed = torch.ops.mkl._mkl_linear(rows, self.packed, weight[:split], None, self.rows)
+        if split < weight.shape[0]:
+            logits = out if out is not None else rows.new_empty(rows.shape[0], weight.shape[0])
+            logits[:, :split] = packed
+            logits[:, split:] = torch.mm(rows, weight[split:].t())
+            packed = logits
+        return packed.view(*hidden.shape[:-1], -1)
 
     @classmethod
     def of(cls, model: nn.Module, rows: int):
@@ -221,9 +233,14 @@ def _fingerprint(weight: torch.Tensor) -> tuple:
 
 
 # Below this many rows the product is bound by reading W, and packing gains nothing there (1-2 rows, base shape:
-# within 3%) for its cost, a second copy of W. From 3 rows on it pays (at 4 rows 4.75 against 7.3 ms), for that
-# copy: +72 MiB on the base model, MarianMT's peak + 11% at beam 4 and batch 1.
+# within 3%) for its cost, a second copy of W. From 3 rows on it pays (at 4 rows 4.75 against 7.3 ms).
 PACK_MIN_ROWS = 3
+# The copy costs W's size whatever the rows (72 MiB for the base model), and what it saves grows with them (1.2x
+# at 4 rows, 1.9x at 128). Below PACK_ALL_ROWS rows only W's first PACK_FEW_ROWS_SHARE is packed. At beam 4,
+# batch 1: all of W, MarianMT's peak + 11%; half, + 5% but 1.0x CTranslate2 instead of 1.1x; three quarters, + 8%
+# at the full packing's speed (docs/speed.md).
+PACK_ALL_ROWS = 8
+PACK_FEW_ROWS_SHARE = 0.75
 # glibc maps every allocation above 32 MiB afresh (its largest mmap threshold), and a fresh (rows, V) tensor then
 # costs a page fault per 4 KiB at each step: 16-20 ms for Multi30k's 1,750 x 8,000 logits, more than the product.
 # Logits that large go into one buffer kept for the call.
@@ -242,10 +259,13 @@ class Projection:
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         rows = hidden.reshape(-1, hidden.shape[-1])
-        if self.packed is not None and rows.shape[0] == self.packed.rows:
+        packed = self.packed is not None and rows.shape[0] == self.packed.rows
+        if packed and self.packed.split == self.weight.shape[0]:
             return self.packed(hidden)
         if self.buffer is None or self.buffer.shape[0] < rows.shape[0]:
             self.buffer = rows.new_empty(rows.shape[0], self.weight.shape[0])
+        if packed:
+            return self.packed(hidden, out=self.buffer[: rows.shape[0]])
         logits = torch.mm(rows, self.weight.t(), out=self.buffer[: rows.shape[0]])
         return logits.view(*hidden.shape[:-1], -1)
 
