@@ -202,17 +202,21 @@ class PackedProjection:
         with torch.no_grad():
             self.packed = torch.ops.mkl._mkl_reorder_linear_weight(weight.detach()[: self.split], rows)
 
+    @property
+    def whole(self) -> bool:
+        """Whether all of W is packed (then the logits are oneMKL's own tensor, and `out` is not needed)."""
+        return self.split == self.weight.shape[0]
+
     def __call__(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """The logits (..., V); where W is packed in part, written into `out` (rows, V) when given."""
         rows = hidden.reshape(-1, hidden.shape[-1])
         split, weight = self.split, self.weight
-        packed = torch.ops.mkl._mkl_linear(rows, self.packed, weight[:split], None, self.rows)
-        if split < weight.shape[0]:
-            logits = out if out is not None else rows.new_empty(rows.shape[0], weight.shape[0])
-            logits[:, :split] = packed
+        logits = torch.ops.mkl._mkl_linear(rows, self.packed, weight[:split], None, self.rows)
+        if not self.whole:
+            head, logits = logits, out if out is not None else rows.new_empty(rows.shape[0], weight.shape[0])
+            logits[:, :split] = head
             logits[:, split:] = torch.mm(rows, weight[split:].t())
-            packed = logits
-        return packed.view(*hidden.shape[:-1], -1)
+        return logits.view(*hidden.shape[:-1], -1)
 
     @classmethod
     def of(cls, model: nn.Module, rows: int):
@@ -260,7 +264,7 @@ class Projection:
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         rows = hidden.reshape(-1, hidden.shape[-1])
         packed = self.packed is not None and rows.shape[0] == self.packed.rows
-        if packed and self.packed.split == self.weight.shape[0]:
+        if packed and self.packed.whole:
             return self.packed(hidden)
         if self.buffer is None or self.buffer.shape[0] < rows.shape[0]:
             self.buffer = rows.new_empty(rows.shape[0], self.weight.shape[0])
