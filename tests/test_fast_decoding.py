@@ -275,3 +275,123 @@ def test_beam_search_over_a_vocabulary_large_enough_for_the_block_top_k(loops):
     fast, stock = both(model, input_ids=ids, attention_mask=mask, num_beams=4, max_new_tokens=12)
     assert torch.equal(fast, stock)
     assert loops == ["beam_search"]
+
+
+# --- greedy search's int8 screen ---------------------------------------------------------------------------------
+
+
+def screen_model(seed: int = 5):
+    """A tiny model whose vocabulary is large enough for the screen, its width a multiple of 16."""
+    return tiny_model(seed=seed, vocab_size=fast_decoding.SCREEN_MIN_VOCABULARY + 37, d_model=32, num_heads=4)
+
+
+def screened_argmax(model):
+    screen = fast_decoding.ScreenedArgmax.of(model, 1)
+    if screen is None:
+        pytest.skip(f"no int8 screen on this CPU (capability {torch.backends.cpu.get_cpu_capability()})")
+    return screen
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, fast_decoding.SCREEN_MAX_ROWS])
+def test_the_screened_argmax_is_the_whole_products(rows):
+    """Only the columns that can hold a row's maximum are computed in float32; their argmax is the whole product's,
+    near-ties (a column a hair above another), masked columns and all of the vocabulary included."""
+    model = screen_model()
+    screen = screened_argmax(model)
+    weight = model.lm_head.weight.detach()
+    g = torch.Generator().manual_seed(rows)
+    for trial in range(20):
+        hidden = torch.randn(rows, weight.shape[1], generator=g) * (1 + trial)
+        expected = (hidden @ weight.t()).argmax(dim=1)
+        assert torch.equal(screen(hidden), expected)
+    # a near-tie: the runner-up's row a hair away from the best's, which int8 cannot tell apart
+    hidden = torch.randn(rows, weight.shape[1], generator=g) * 8
+    best = int((hidden[0] @ weight.t()).argmax())
+    other = best + 1 if best + 1 < weight.shape[0] else best - 1
+    with torch.no_grad():
+        weight[other] = weight[best] * (1 - 1e-6)
+    screen = fast_decoding.ScreenedArgmax(weight)  # a new copy for the changed W
+    assert int(screen(hidden)[0]) == int((hidden[0] @ weight.t()).argmax()) == best
+
+    # masked columns: the processors' -inf, the best column among them
+    def mask(scores):
+        scores[:, best] = -math.inf
+        return scores
+
+    masked = hidden @ weight.t()
+    masked[:, best] = -math.inf
+    assert torch.equal(screen(hidden, mask), masked.argmax(dim=1))
+    # nothing left to choose from, or not a number: the caller computes every logit
+    assert screen(hidden, lambda scores: scores.fill_(-math.inf)) is None
+    assert screen(torch.full_like(hidden, math.nan)) is None
+
+
+def test_the_int8_products_rounding_is_within_the_screens_bound():
+    """The screen rests on torch's weight-only int8 product rounding as the bound says (float32 sums, one bfloat16
+    rounding of the result); checked once per copy, and here on more columns and scales than that check."""
+    screen = screened_argmax(screen_model())
+    assert fast_decoding._rounding_within_bound(screen, columns=screen.weight.shape[0])
+    g = torch.Generator().manual_seed(0)
+    for scale in (1e-3, 1.0, 1e3):
+        rows = torch.randn(3, screen.weight.shape[1], generator=g) * scale
+        rounded = rows.to(torch.bfloat16)
+        screened = torch._weight_int8pack_mm(rounded, screen.quantized, screen.scales).float()
+        exact = rows.double() @ screen.weight.detach().double().t()
+        assert bool(((screened.double() - exact).abs() <= screen.bounds(rows, rounded, screened).double()).all())
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        dict(num_beams=1, max_new_tokens=12),
+        dict(num_beams=1, max_new_tokens=12, min_new_tokens=6, suppress_tokens=[7, 9]),
+        "fairseq's cap",  # the source length + 2 (SourceLengthCap): rows end at different steps, at their cap
+    ],
+)
+def test_greedy_search_through_the_screen_gives_transformers_ids(settings, loops, monkeypatch):
+    model = screen_model()
+    screened_argmax(model)
+    if settings == "fairseq's cap":
+        settings = dict(generation_config=fairseq_generation_config(model.config, beam=1, max_len_a=1.0, max_len_b=2))
+    calls = []
+    original = fast_decoding.ScreenedArgmax.__call__
+
+    def counting(self, *args, **kwargs):
+        chosen = original(self, *args, **kwargs)
+        calls.append(chosen is not None)
+        return chosen
+
+    monkeypatch.setattr(fast_decoding.ScreenedArgmax, "__call__", counting)
+    vocab = model.config.vocab_size
+    for lengths in ((7,), (7, 4, 6)):  # one row; rows finishing at different steps
+        ids, mask = batch(seed=4, lengths=lengths, vocab=vocab)
+        fast, stock = both(model, input_ids=ids, attention_mask=mask, **settings)
+        assert torch.equal(fast, stock)
+    assert calls and all(calls)  # every step chose through the screen
+    assert loops == ["greedy_search", "greedy_search"]
+
+
+def test_a_torch_whose_int8_product_rounds_beyond_the_bound_gets_no_screen(monkeypatch, loops):
+    model = screen_model(seed=6)
+    screened_argmax(model)
+    fast_decoding._SCREENS.pop(model, None)
+    product = torch._weight_int8pack_mm
+    monkeypatch.setattr(torch, "_weight_int8pack_mm", lambda *args: product(*args) * 2)
+    assert fast_decoding.ScreenedArgmax.of(model, 1) is None
+    ids, mask = batch(seed=4, lengths=(7,), vocab=model.config.vocab_size)
+    fast, stock = both(model, input_ids=ids, attention_mask=mask, num_beams=1, max_new_tokens=8)
+    assert torch.equal(fast, stock)
+
+
+def test_the_screen_follows_the_weights(loops):
+    """One int8 copy per model, made again when W changes (an optimizer step, a loaded state dict)."""
+    model = screen_model(seed=7)
+    screen = screened_argmax(model)
+    assert fast_decoding.ScreenedArgmax.of(model, 2) is screen  # kept
+    with torch.no_grad():
+        model.lm_head.weight.mul_(-1.0)  # in place: the same tensor, a new version
+    ids, mask = batch(seed=4, lengths=(7,), vocab=model.config.vocab_size)
+    fast, stock = both(model, input_ids=ids, attention_mask=mask, num_beams=1, max_new_tokens=8)
+    assert torch.equal(fast, stock)
+    assert fast_decoding.ScreenedArgmax.of(model, 1) is not screen
+    assert fast_decoding.ScreenedArgmax.of(model, fast_decoding.SCREEN_MAX_ROWS + 1) is None  # packed there instead

@@ -274,17 +274,151 @@ class Projection:
         return logits.view(*hidden.shape[:-1], -1)
 
     @classmethod
-    def of(cls, model: nn.Module, rows: int):
+    def of(cls, model: nn.Module, rows: int, pack: bool = True):
         """The model's projection for a call that starts with `rows` rows, or None where this does not apply
-        (not float32 on the CPU, an int8 or otherwise replaced pre-softmax layer): the model's own `project`."""
+        (not float32 on the CPU, an int8 or otherwise replaced pre-softmax layer): the model's own `project`.
+        `pack=False`: never packed (greedy search's screen computes most steps' argmax without it)."""
         head = model.get_output_embeddings()
         weight = head.weight
         if type(head) is not nn.Linear or head.bias is not None:
             return None
         if weight.device.type != "cpu" or weight.dtype != torch.float32:
             return None
-        packs = rows >= PACK_MIN_ROWS and rows * weight.shape[0] * weight.element_size() <= FRESH_BYTES
+        packs = pack and rows >= PACK_MIN_ROWS and rows * weight.shape[0] * weight.element_size() <= FRESH_BYTES
         return cls(weight, PackedProjection.of(model, rows) if packs else None)
+
+
+# --- greedy search's argmax: screened in int8, computed in float32 where it can be ------------------------------------
+
+# The screen pays from this many columns on (below, the whole product is a few microseconds).
+SCREEN_MIN_VOCABULARY = 4096
+# Up to this many rows the int8 product beats float32's (base shape, one core: 3.8 against 6.2 ms at one row, 5.1
+# against 8.2 packed at 4, 9.9 against 15.7 at 7; even at 8 and 2.5x slower at 32), and the step is bound by
+# reading W. Greedy search from this many rows on packs W instead (PackedProjection).
+SCREEN_MAX_ROWS = PACK_ALL_ROWS - 1
+# More columns left than this share of the vocabulary (a flat distribution): the whole product instead.
+SCREEN_MAX_SHARE = 1 / 16
+# Rows of W quantized at a time: the temporaries stay a few MiB, not W's size (peak memory).
+SCREEN_CHUNK = 2048
+FLOAT32_UNIT, BFLOAT16_UNIT = 2.0**-24, 2.0**-8  # unit roundoffs (24 and 8 significant bits)
+# CPU capabilities where torch's weight-only int8 product is vectorized (its plain C++ loop is 4x slower than
+# float32's product).
+SCREEN_CAPABILITIES = ("AVX2", "AVX512")
+
+_SCREENS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+class ScreenedArgmax:
+    """argmax_j (x W^T)_j for greedy search's few rows, reading a quarter of W's bytes for most of the vocabulary.
+
+    At 1-7 rows the pre-softmax product is bound by reading W (V x d_model float32). An int8 copy of W, one scale a
+    row (as CTranslate2's int8), read by torch's weight-only int8 product (`torch._weight_int8pack_mm`, bfloat16
+    rows) gives each logit to within a bound from norms: for x̂ the row in bfloat16 and ŵ_j the copy's row,
+    |x̂·ŵ_j - x·w_j| <= |x̂ - x| |ŵ_j| + |x| |ŵ_j - w_j| (Cauchy-Schwarz), plus the float32 sums' rounding and the
+    bfloat16 result's (one unit, 2^-8 of it, counted twice). A column can hold the row's maximum only if its
+    screened logit plus the bound reaches the largest screened logit minus it; those few columns are computed in
+    float32 (x W_c^T), and their argmax is the step's token, the whole product's to float32 rounding (the columns'
+    own product rounds as `nn.Linear`'s, to a unit in the last place). Columns the processors mask (minimum
+    lengths, suppressed tokens) are masked in both. Where more than `SCREEN_MAX_SHARE` of the columns remain, or a
+    row keeps none (all masked, not a number), `__call__` gives None and the caller computes every logit.
+
+    Kept per model while W is unchanged, as `PackedProjection` is: the copy is W's size / 4 (19 MB for the base
+    model), made in about 0.1 s at the first greedy call. The int8 product's rounding is checked against the bound
+    once, when the copy is made (`_rounding_within_bound`); a torch whose product rounds otherwise gets no screen."""
+
+    def __init__(self, weight: torch.Tensor):
+        self.weight, self.fingerprint = weight, _fingerprint(weight)
+        vocabulary, width = weight.shape
+        self.quantized = torch.empty(vocabulary, width, dtype=torch.int8)
+        self.scales = torch.empty(vocabulary, dtype=torch.bfloat16)
+        norm = error = 0.0
+        with torch.no_grad():
+            for start in range(0, vocabulary, SCREEN_CHUNK):
+                w = weight.detach()[start : start + SCREEN_CHUNK]
+                scales = (w.abs().amax(dim=1) / 127).to(torch.bfloat16)
+                divisors = scales.float().masked_fill(scales == 0, 1.0)[:, None]
+                # bfloat16 may round a scale down: clamped, so that no value leaves int8's range
+                quantized = torch.round(w / divisors).clamp_(-127, 127).to(torch.int8)
+                self.quantized[start : start + SCREEN_CHUNK] = quantized
+                self.scales[start : start + SCREEN_CHUNK] = scales
+                # The product may read each row as q s in float32 or rounded to bfloat16: the bound holds for both.
+                screened = quantized.float() * scales.float()[:, None]
+                for read in (screened, screened.to(torch.bfloat16).float()):
+                    norm = max(norm, float(read.norm(dim=1).max()))
+                    error = max(error, float((read - w).norm(dim=1).max()))
+                norm = max(norm, float(w.norm(dim=1).max()))
+        self.norm, self.error = norm, error  # max_j |ŵ_j| (and |w_j|), max_j |ŵ_j - w_j|
+
+    def bounds(self, rows: torch.Tensor, rounded: torch.Tensor, screened: torch.Tensor) -> torch.Tensor:
+        """For each screened logit (R, V), a bound on its distance to the float32 logit x·w_j."""
+        width = rows.shape[-1]
+        x, x_hat = rows.norm(dim=1, keepdim=True), rounded.float().norm(dim=1, keepdim=True)
+        shift = (rounded.float() - rows).norm(dim=1, keepdim=True)
+        sums = 2 * width * FLOAT32_UNIT * (x + x_hat) * self.norm  # the int8 product's and float32's sums
+        return shift * self.norm + x * self.error + sums + 2 * BFLOAT16_UNIT * screened.abs()
+
+    def __call__(self, hidden: torch.Tensor, mask=None) -> torch.Tensor | None:
+        """The argmax of each row of `hidden @ W^T` (after `mask(scores)` sets masked columns to -inf in place),
+        or None where the caller should compute all the logits."""
+        rows = hidden.reshape(-1, hidden.shape[-1])
+        rounded = rows.to(torch.bfloat16)
+        screened = torch._weight_int8pack_mm(rounded, self.quantized, self.scales).float()
+        slack = self.bounds(rows, rounded, screened)
+        if mask is not None:
+            screened = mask(screened)
+        # |screened - logit| <= slack: a column whose highest possible logit is below some column's lowest is out
+        lowest = (screened - slack).amax(dim=1, keepdim=True)
+        possible = screened + slack >= lowest  # -inf + inf (masked) is not a number: never possible
+        if not bool(possible.any(dim=1).all()):
+            return None
+        columns = possible.any(dim=0).nonzero().squeeze(1)
+        if columns.numel() > SCREEN_MAX_SHARE * screened.shape[1]:
+            return None
+        logits = torch.mm(rows, self.weight.index_select(0, columns).t())
+        logits.masked_fill_(screened[:, columns] == -math.inf, -math.inf)
+        return columns[logits.argmax(dim=1)]
+
+    @classmethod
+    def of(cls, model: nn.Module, rows: int):
+        """The model's screen for a greedy call of `rows` rows, or None where it does not apply: more rows, a small
+        vocabulary, not float32 on the CPU, a replaced or biased pre-softmax layer, Marian's logit bias, a width
+        the int8 product cannot take (a multiple of 16), a CPU where that product is not vectorized, or a torch
+        whose product rounds beyond the bound."""
+        head = model.get_output_embeddings()
+        if rows > SCREEN_MAX_ROWS or type(head) is not nn.Linear or head.bias is not None:
+            return None
+        weight = head.weight
+        if weight.device.type != "cpu" or weight.dtype != torch.float32:
+            return None
+        if weight.shape[0] < SCREEN_MIN_VOCABULARY or weight.shape[1] % 16 or model.config.final_logits_bias:
+            return None
+        if (
+            not hasattr(torch, "_weight_int8pack_mm")
+            or torch.backends.cpu.get_cpu_capability() not in SCREEN_CAPABILITIES
+        ):
+            return None
+        fingerprint, screen = _SCREENS.get(model, (None, None))
+        if fingerprint != _fingerprint(weight):
+            _SCREENS.pop(model, None)  # the old copy goes before the new one is made
+            screen = cls(weight)
+            screen = screen if _rounding_within_bound(screen) else None
+            _SCREENS[model] = (_fingerprint(weight), screen)
+        return screen
+
+
+def _rounding_within_bound(screen: ScreenedArgmax, columns: int = 256) -> bool:
+    """Whether torch's int8 product lands within `ScreenedArgmax.bounds` of the float32 logits (float64 sums) for
+    1 to `SCREEN_MAX_ROWS` rows of random hidden states, on W's first columns."""
+    g = torch.Generator().manual_seed(0)
+    weight, quantized, scales = screen.weight.detach()[:columns], screen.quantized[:columns], screen.scales[:columns]
+    for count in range(1, SCREEN_MAX_ROWS + 1):
+        rows = torch.randn(count, weight.shape[1], generator=g) * 4
+        rounded = rows.to(torch.bfloat16)
+        screened = torch._weight_int8pack_mm(rounded, quantized, scales).float()
+        exact = rows.double() @ weight.double().t()
+        if not bool(((screened.double() - exact).abs() <= screen.bounds(rows, rounded, screened).double()).all()):
+            return False
+    return True
 
 
 # --- one step ----------------------------------------------------------------------------------------------------
@@ -294,20 +428,24 @@ class DecodingSession:
     """The decoder's state for one `generate()` call: the encoder output and mask once per source, the cache, the
     projection; `step` gives the next position's logits (rows, V), in float32."""
 
-    def __init__(self, model: nn.Module, model_kwargs: dict, rows_per_source: int = 1):
+    def __init__(self, model: nn.Module, model_kwargs: dict, rows_per_source: int = 1, pack: bool = True):
         self.model = model
         encoder_output = model_kwargs["encoder_outputs"][0]
         mask = model_kwargs.get("attention_mask")
         self.sources = encoder_output[::rows_per_source]
         self.source_mask = mask[::rows_per_source] if mask is not None else None
         self.cache = DecodingCache(model.config.num_decoder_layers)
-        self.projection = Projection.of(model, encoder_output.shape[0])
+        self.projection = Projection.of(model, encoder_output.shape[0], pack)
         self.final_bias = getattr(model, "final_logits_bias", None) if model.config.final_logits_bias else None
 
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
         """Logits of the position after `tokens` (rows, T): the new positions (all of the decoder's prefix at the
         first step, one token after that)."""
-        hidden = self.model.get_decoder()(
+        return logits_of(self, self.hidden(tokens))
+
+    def hidden(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The decoder's output (rows, d_model) at the position after `tokens`, before the projection."""
+        return self.model.get_decoder()(
             input_ids=tokens,
             encoder_hidden_states=self.sources,
             encoder_attention_mask=self.source_mask,
@@ -315,7 +453,6 @@ class DecodingSession:
             use_cache=True,
             return_dict=True,
         ).last_hidden_state[:, -1]
-        return logits_of(self, hidden)
 
     def select(self, sources: torch.Tensor, rows: torch.Tensor | None = None) -> None:
         """Keep these sources, and of the decoder's rows these (default: the sources' own, one row each): the
@@ -340,13 +477,15 @@ def logits_of(session, hidden: torch.Tensor) -> torch.Tensor:
     return logits.add_(session.final_bias) if session.final_bias is not None else logits
 
 
-def open_session(model, model_kwargs: dict, input_ids: torch.Tensor, max_length: int, rows_per_source: int = 1):
+def open_session(
+    model, model_kwargs: dict, input_ids: torch.Tensor, max_length: int, rows_per_source: int = 1, pack: bool = True
+):
     """The compiled step's session where the model has one that applies to this call (compiled_decoding.py),
-    else the eager one; both give the same logits to float32 rounding."""
+    else the eager one; both give the same logits to float32 rounding. `pack`: see `Projection.of`."""
     compiled = session_applies(model, input_ids, max_length, model_kwargs)
     if compiled is None:
-        return DecodingSession(model, model_kwargs, rows_per_source)
-    projection = Projection.of(model, model_kwargs["encoder_outputs"][0].shape[0])
+        return DecodingSession(model, model_kwargs, rows_per_source, pack)
+    projection = Projection.of(model, model_kwargs["encoder_outputs"][0].shape[0], pack)
     return CompiledSession(model, compiled, model_kwargs, rows_per_source, projection)
 
 
@@ -406,6 +545,9 @@ class CompiledSession:
         self.final_bias = getattr(model, "final_logits_bias", None) if config.final_logits_bias else None
 
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
+        return logits_of(self, self.hidden(tokens))
+
+    def hidden(self, tokens: torch.Tensor) -> torch.Tensor:
         groups = self.sources.shape[0]
         keys, values = self.slots.views(tokens.shape[0], groups, self.heads, self.d_k, self.d_v, self.sources)
         tokens = tokens.reshape(groups, -1).contiguous()  # the library reads contiguous inputs: the loops' are views
@@ -419,7 +561,7 @@ class CompiledSession:
             self.source_mask,
         )
         self.slots.length += 1
-        return logits_of(self, hidden)
+        return hidden
 
     def select(self, sources: torch.Tensor, rows: torch.Tensor | None = None) -> None:
         self.sources = self.sources.index_select(0, sources)
@@ -509,6 +651,18 @@ def process(logits_processor, input_ids: torch.Tensor, scores: torch.Tensor, col
     return scores
 
 
+# The processors `process` applies as column masks (exact types).
+MASKING_PROCESSORS = (MinNewTokensLengthLogitsProcessor, MinLengthLogitsProcessor, SuppressTokensLogitsProcessor)
+
+
+def screens_argmax(processor) -> bool:
+    """Whether greedy search's argmax may go through the int8 screen (`ScreenedArgmax`) with this processor: it
+    only sets scores to -inf, or leaves a single column finite (a length cap forcing </s>), so that the argmax of
+    its output is the float32 logits' argmax over the columns it leaves. A processor class says so with
+    `screens_argmax = True`."""
+    return type(processor) in MASKING_PROCESSORS or getattr(type(processor), "screens_argmax", False) is True
+
+
 def _columns(columns: dict, processor, ids, scores: torch.Tensor) -> torch.Tensor:
     """Token ids as an index into the columns of `scores`, those outside the vocabulary left out (as the
     processors' `isin` over the vocabulary leaves them out)."""
@@ -586,18 +740,34 @@ def greedy_search(model, input_ids, logits_processor, stopping_criteria, generat
     until every row meets a stopping criterion. Finished rows leave the decoder's batch."""
     pad_token_id = generation_config._pad_token_tensor
     has_eos_stopping_criteria = any(hasattr(criteria, "eos_token_id") for criteria in stopping_criteria)
-    session = open_session(model, model_kwargs, input_ids, generation_config.max_length)
     batch = input_ids.shape[0]
+    # Few rows, and processors that only mask columns: the argmax through the int8 screen, W packed for no step.
+    screen = ScreenedArgmax.of(model, batch) if all(map(screens_argmax, logits_processor)) else None
+    session = open_session(model, model_kwargs, input_ids, generation_config.max_length, pack=screen is None)
     unfinished = torch.ones(batch, dtype=torch.long, device=input_ids.device)
     active = None  # the rows the decoder still computes (None: all)
     tokens, scores, columns = input_ids, None, {}
     while True:
-        logits = session.step(tokens)
-        if active is not None:  # finished rows are padded whatever their scores: any row of logits will do
-            if scores is None:
-                scores = logits.new_zeros(batch, logits.shape[-1])
-            logits = scores.index_copy_(0, active, logits)
-        next_tokens = torch.argmax(process(logits_processor, input_ids, logits, columns), dim=-1)
+        hidden = session.hidden(tokens)
+        chosen = None
+        if screen is not None and (active is None or has_eos_stopping_criteria):
+
+            def mask(screened, active=active, input_ids=input_ids):  # the processors see every row, as transformers'
+                if active is None:
+                    return process(logits_processor, input_ids, screened, columns)
+                rows = screened.new_zeros(batch, screened.shape[1]).index_copy_(0, active, screened)
+                return process(logits_processor, input_ids, rows, columns)[active]
+
+            chosen = screen(hidden, mask)
+        if chosen is not None:  # finished rows are padded below whatever their token
+            next_tokens = chosen if active is None else chosen.new_zeros(batch).index_copy_(0, active, chosen)
+        else:
+            logits = logits_of(session, hidden)
+            if active is not None:  # finished rows are padded whatever their scores: any row of logits will do
+                if scores is None:
+                    scores = logits.new_zeros(batch, logits.shape[-1])
+                logits = scores.index_copy_(0, active, logits)
+            next_tokens = torch.argmax(process(logits_processor, input_ids, logits, columns), dim=-1)
         if has_eos_stopping_criteria:
             next_tokens = next_tokens * unfinished + pad_token_id * (1 - unfinished)
         input_ids = torch.cat([input_ids, next_tokens[:, None]], dim=-1)

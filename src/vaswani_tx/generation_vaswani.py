@@ -77,6 +77,9 @@ class SourceLengthCap(LogitsProcessor):
     source are matched to their source by position (they are laid out source-major).
     """
 
+    # Scores stay as they are, or only </s> stays finite: greedy search may screen its argmax (fast_decoding.py).
+    screens_argmax = True
+
     def __init__(self, max_tokens: torch.Tensor, eos_token_id: int, score_forced_eos: bool = False):
         self.max_tokens = max_tokens
         self.eos_token_id = eos_token_id
