@@ -152,6 +152,35 @@ def test_trainer_loss_on_a_padded_batch_equals_hand_computation(tmp_path):
     assert loss.item() == pytest.approx(expected, rel=1e-5)
 
 
+def test_freed_memory_goes_back_every_few_steps_and_after_each_evaluation(tmp_path):
+    """glibc keeps the buffers of past batch shapes (ReturnFreedMemory's docstring); the trainer hands them back."""
+    from types import SimpleNamespace
+
+    from transformers import Seq2SeqTrainingArguments, TrainerControl
+
+    from vaswani_tx.training import ReturnFreedMemory, VaswaniTrainer, _glibc_malloc_trim
+
+    if sys.platform.startswith("linux") and os.path.exists("/lib/x86_64-linux-gnu/libc.so.6"):
+        assert _glibc_malloc_trim() is not None and _glibc_malloc_trim()(0) in (0, 1)
+    callback, trims = ReturnFreedMemory(), []
+    callback.trim = trims.append
+    cpu = SimpleNamespace(device=torch.device("cpu"))
+    for step in range(1, 12 * callback.every + 5):
+        callback.on_step_end(cpu, SimpleNamespace(global_step=step), TrainerControl())
+    assert len(trims) == 12
+    callback.on_evaluate(cpu, SimpleNamespace(global_step=12 * callback.every + 4), TrainerControl())
+    assert len(trims) == 13
+    callback.on_step_end(SimpleNamespace(device=torch.device("meta")), SimpleNamespace(global_step=0), None)
+    assert len(trims) == 13  # not a CPU run: nothing to do
+    args = Seq2SeqTrainingArguments(
+        output_dir=str(tmp_path), warmup_steps=4, lr_scheduler_type="inverse_sqrt", use_cpu=True, report_to="none"
+    )
+    trainer = VaswaniTrainer(
+        model=VaswaniForConditionalGeneration(_tiny_config(vocab_size=40)), args=args, max_tokens=64
+    )
+    assert any(isinstance(c, ReturnFreedMemory) for c in trainer.callback_handler.callbacks)
+
+
 class _PadOnly:
     """The little of a tokenizer that DataCollatorForSeq2Seq needs to pad ids."""
 

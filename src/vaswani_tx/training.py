@@ -18,13 +18,15 @@ paper's reference [36]) rather than over the ``V - 1`` wrong tokens as tensor2te
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 from functools import partial
 
 import datasets
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 from torch.utils.data import DataLoader
-from transformers import Seq2SeqTrainer
+from transformers import Seq2SeqTrainer, TrainerCallback
 from transformers.trainer_utils import seed_worker
 
 from vaswani_tx.data import TokenBudgetBatchSampler
@@ -191,6 +193,46 @@ class LabelSmoothedCrossEntropy:
 # ---- the Trainer ----
 
 
+def _glibc_malloc_trim():
+    """glibc's `malloc_trim`, or None where the C library is not glibc (macOS, musl, Windows)."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        trim = libc.malloc_trim
+    except (OSError, AttributeError):
+        return None
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    return trim
+
+
+class ReturnFreedMemory(TrainerCallback):
+    """Hands the memory glibc's allocator holds free back to the system every `every` steps and after each
+    evaluation (`malloc_trim`), on a CPU run under glibc.
+
+    Token-budget batches change shape every step, and glibc keeps the freed buffers of past shapes in its heaps,
+    fragmented, instead of returning them. The Multi30k recipe (2 cores, bf16) grew to 3.4 GB resident in its
+    first 400 steps and still growing (a long lever run reached 4.8 GB, its steps slowing from 0.4 to 0.8 s);
+    trimmed every 10 steps it stays at 2.0-2.4 GB from step 100 on (every 50: 2.5-2.8 GB and rising), in the same
+    time within the runs' noise (279 against 272-276 s for 400 steps; a call takes about 50 ms). Only free memory
+    is returned: no effect on the results."""
+
+    def __init__(self, every: int = 10):
+        self.every = every
+        self.trim = _glibc_malloc_trim()
+
+    def _trim(self, args) -> None:
+        if self.trim is not None and args.device.type == "cpu":
+            self.trim(0)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step % self.every == 0:
+            self._trim(args)
+        return control
+
+    def on_evaluate(self, args, state, control, **kwargs):
+        self._trim(args)
+        return control
+
+
 class VaswaniTrainer(TokenBudgetSeq2SeqTrainer):
     """Section 5 on ``Seq2SeqTrainer``: token-budget batches, the paper's schedule, label smoothing.
 
@@ -204,6 +246,7 @@ class VaswaniTrainer(TokenBudgetSeq2SeqTrainer):
       tokens, normalised by the optimizer step's token count (so accumulation and several processes
       equal one large batch); with ``label_smoothing_factor: 0`` it is plain token-level cross-entropy.
     - No gradient clipping unless ``max_grad_norm`` > 0 (the paper has none; the configs set 0).
+    - On the CPU under glibc, :class:`ReturnFreedMemory` keeps the process from growing with the batches' shapes.
     """
 
     def __init__(self, *args, **kwargs) -> None:
@@ -221,6 +264,7 @@ class VaswaniTrainer(TokenBudgetSeq2SeqTrainer):
         super().__init__(*args, **kwargs)
         # The Trainer builds its own LabelSmoother from label_smoothing_factor; ours replaces it.
         self.label_smoother = None
+        self.add_callback(ReturnFreedMemory())
 
     def create_scheduler(self, num_training_steps: int, optimizer: torch.optim.Optimizer | None = None):
         if self.lr_scheduler is None:
