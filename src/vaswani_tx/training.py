@@ -210,10 +210,11 @@ class ReturnFreedMemory(TrainerCallback):
 
     Token-budget batches change shape every step, and glibc keeps the freed buffers of past shapes in its heaps,
     fragmented, instead of returning them. The Multi30k recipe (2 cores, bf16) grew to 3.4 GB resident in its
-    first 400 steps and still growing (a long lever run reached 4.8 GB, its steps slowing from 0.4 to 0.8 s);
-    trimmed every 10 steps it stays at 2.0-2.4 GB from step 100 on (every 50: 2.5-2.8 GB and rising), in the same
-    time within the runs' noise (279 against 272-276 s for 400 steps; a call takes about 50 ms). Only free memory
-    is returned: no effect on the results."""
+    first 400 steps and still growing (a long lever run reached 4.8 GB); trimmed every 10 steps it stays at
+    2.0-2.4 GB from step 100 on (every 50: 2.5-2.8 GB and rising), 1.8-2.8 GB over 1,450 steps of a full run, in
+    the same time within the runs' noise (279 against 272-276 s for 400 steps; a call takes about 50 ms). Only
+    free memory is returned: no effect on the results. (It does not stop a long run's steps from slowing, which
+    has another cause: docs/training.md, "Memory".)"""
 
     def __init__(self, every: int = 10):
         self.every = every
