@@ -211,7 +211,7 @@ class ReturnFreedMemory(TrainerCallback):
     Token-budget batches change shape every step, and glibc keeps the freed buffers of past shapes in its heaps,
     fragmented, instead of returning them. The Multi30k recipe (2 cores, bf16) grew to 3.4 GB resident in its
     first 400 steps and still growing (a long lever run reached 4.8 GB); trimmed every 10 steps it stays at
-    2.0-2.4 GB from step 100 on (every 50: 2.5-2.8 GB and rising), 1.8-2.8 GB over 1,450 steps of a full run, in
+    2.0-2.4 GB from step 100 on (every 50: 2.5-2.8 GB and rising), 1.7-2.8 GB over 1,450 steps of a full run, in
     the same time within the runs' noise (279 against 272-276 s for 400 steps; a call takes about 50 ms). Only
     free memory is returned: no effect on the results. (It does not stop a long run's steps from slowing, which
     has another cause: docs/training.md, "Memory".)"""
