@@ -319,12 +319,13 @@ class ScreenedArgmax:
     screened logit plus the bound reaches the largest screened logit minus it; those few columns are computed in
     float32 (x W_c^T), and their argmax is the step's token, the whole product's to float32 rounding (the columns'
     own product rounds as `nn.Linear`'s, to a unit in the last place). Columns the processors mask (minimum
-    lengths, suppressed tokens) are masked in both. Where more than `SCREEN_MAX_SHARE` of the columns remain, or a
+    lengths, suppressed tokens, the fairseq length cap: `screens_argmax`) are masked in both. Where more than `SCREEN_MAX_SHARE` of the columns remain, or a
     row keeps none (all masked, not a number), `__call__` gives None and the caller computes every logit.
 
     Kept per model while W is unchanged, as `PackedProjection` is: the copy is W's size / 4 (19 MB for the base
-    model), made in about 0.13 s at the first greedy call (base shape). The int8 product's rounding is checked against the bound
-    once, when the copy is made (`_rounding_within_bound`); a torch whose product rounds otherwise gets no screen."""
+    model), made in about 0.13 s at the first greedy call. The int8 product's rounding is checked against the
+    bound once, when the copy is made (`_rounding_within_bound`); a torch whose product rounds otherwise gets no
+    screen."""
 
     def __init__(self, weight: torch.Tensor):
         self.weight, self.fingerprint = weight, _fingerprint(weight)
