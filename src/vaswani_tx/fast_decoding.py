@@ -222,14 +222,24 @@ class PackedProjection:
     def of(cls, model: nn.Module, rows: int):
         """The model's projection packed for `rows` rows, or None where packing does not apply (not float32 on
         CPU, no oneMKL, an int8 or otherwise replaced pre-softmax layer)."""
-        head = model.get_output_embeddings()
-        if type(head) is not nn.Linear or head.bias is not None or not can_pack(head.weight):
+        weight = float32_head(model)
+        if weight is None or not can_pack(weight):
             return None
         entry = _PACKED.get(model)
-        if entry is None or entry.rows != rows or entry.fingerprint != _fingerprint(head.weight):
+        if entry is None or entry.rows != rows or entry.fingerprint != _fingerprint(weight):
             _PACKED.pop(model, None)  # the old packing goes before the new one is made: one at a time in memory
-            entry = _PACKED[model] = cls(head.weight, rows)
+            entry = _PACKED[model] = cls(weight, rows)
         return entry
+
+
+def float32_head(model: nn.Module) -> torch.Tensor | None:
+    """The pre-softmax matrix W where the loops may compute its product themselves: a float32 `nn.Linear`
+    without bias on the CPU; None for an int8 or otherwise replaced layer (then the model's own `project`)."""
+    head = model.get_output_embeddings()
+    if type(head) is not nn.Linear or head.bias is not None:
+        return None
+    weight = head.weight
+    return weight if weight.device.type == "cpu" and weight.dtype == torch.float32 else None
 
 
 def _fingerprint(weight: torch.Tensor) -> tuple:
@@ -278,11 +288,8 @@ class Projection:
         """The model's projection for a call that starts with `rows` rows, or None where this does not apply
         (not float32 on the CPU, an int8 or otherwise replaced pre-softmax layer): the model's own `project`.
         `pack=False`: never packed (greedy search's screen computes most steps' argmax without it)."""
-        head = model.get_output_embeddings()
-        weight = head.weight
-        if type(head) is not nn.Linear or head.bias is not None:
-            return None
-        if weight.device.type != "cpu" or weight.dtype != torch.float32:
+        weight = float32_head(model)
+        if weight is None:
             return None
         packs = pack and rows >= PACK_MIN_ROWS and rows * weight.shape[0] * weight.element_size() <= FRESH_BYTES
         return cls(weight, PackedProjection.of(model, rows) if packs else None)
@@ -319,8 +326,9 @@ class ScreenedArgmax:
     screened logit plus the bound reaches the largest screened logit minus it; those few columns are computed in
     float32 (x W_c^T), and their argmax is the step's token, the whole product's to float32 rounding (the columns'
     own product rounds as `nn.Linear`'s, to a unit in the last place). Columns the processors mask (minimum
-    lengths, suppressed tokens, the fairseq length cap: `screens_argmax`) are masked in both. Where more than `SCREEN_MAX_SHARE` of the columns remain, or a
-    row keeps none (all masked, not a number), `__call__` gives None and the caller computes every logit.
+    lengths, suppressed tokens, the fairseq length cap: `screens_argmax`) are masked in both. Where more than
+    `SCREEN_MAX_SHARE` of the columns remain, or a row keeps none (all masked, not a number), `__call__` gives
+    None and the caller computes every logit.
 
     Kept per model while W is unchanged, as `PackedProjection` is: the copy is W's size / 4 (19 MB for the base
     model), made in about 0.13 s at the first greedy call. The int8 product's rounding is checked against the
@@ -359,8 +367,8 @@ class ScreenedArgmax:
         return shift * self.norm + x * self.error + sums + 2 * BFLOAT16_UNIT * screened.abs()
 
     def __call__(self, hidden: torch.Tensor, mask=None) -> torch.Tensor | None:
-        """The argmax of each row of `hidden @ W^T` (after `mask(scores)` sets masked columns to -inf in place),
-        or None where the caller should compute all the logits."""
+        """The argmax of each row of `hidden @ W^T` over the columns `mask(scores)` leaves (it returns the scores
+        with the masked columns at -inf), or None where the caller should compute all the logits."""
         rows = hidden.reshape(-1, hidden.shape[-1])
         rounded = rows.to(torch.bfloat16)
         screened = torch._weight_int8pack_mm(rounded, self.quantized, self.scales).float()
@@ -385,11 +393,8 @@ class ScreenedArgmax:
         vocabulary, not float32 on the CPU, a replaced or biased pre-softmax layer, Marian's logit bias, a width
         the int8 product cannot take (a multiple of 16), a CPU where that product is not vectorized, or a torch
         whose product rounds beyond the bound."""
-        head = model.get_output_embeddings()
-        if rows > SCREEN_MAX_ROWS or type(head) is not nn.Linear or head.bias is not None:
-            return None
-        weight = head.weight
-        if weight.device.type != "cpu" or weight.dtype != torch.float32:
+        weight = float32_head(model) if rows <= SCREEN_MAX_ROWS else None
+        if weight is None:
             return None
         if weight.shape[0] < SCREEN_MIN_VOCABULARY or weight.shape[1] % 16 or model.config.final_logits_bias:
             return None
