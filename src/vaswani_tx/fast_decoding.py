@@ -14,7 +14,8 @@ maxima first), so the output ids are transformers' own. What they save, per step
   3 rows on, its weight is packed once for oneMKL's GEMM (`PackedProjection`), 1.2-1.9x faster than the
   transposed product `nn.Linear` asks for (4 to 128 rows, base shape, one core; the logits agree to float32
   rounding); with 1-2 rows packing gains nothing and costs a copy of W (`Projection`), and below 8 rows only a
-  share of W is packed, for memory;
+  share of W is packed, for memory; greedy search at 1-7 rows finds its argmax through an int8 copy of W and
+  computes in float32 only the columns that can hold it (`ScreenedArgmax`);
 - the logits: no float32 copy of them, very large ones and the log-probabilities written into buffers kept for
   the call (a fresh tensor above 32 MiB costs page faults every step), and the processors that would rewrite
   all of them to mask a few columns (minimum lengths, suppressed tokens) mask those columns in place;
