@@ -31,6 +31,7 @@ from vaswani_tx.checkpoints import (
     resume_checkpoint,
 )
 from vaswani_tx.configuration_vaswani import VaswaniConfig
+from vaswani_tx.errors import UserInputError
 from vaswani_tx.modeling_vaswani import VaswaniForConditionalGeneration
 from vaswani_tx.params import load_model_config
 from vaswani_tx.recipe import train
@@ -150,6 +151,63 @@ def test_trainer_loss_on_a_padded_batch_equals_hand_computation(tmp_path):
         logits = model(**{k: v for k, v in batch.items() if k != "labels"}).logits
     expected = _hand_label_smoothing(logits.double().tolist(), batch["labels"].tolist(), 0.1)
     assert loss.item() == pytest.approx(expected, rel=1e-5)
+
+
+def test_loss_computed_in_the_model_equals_the_loss_on_its_logits_with_the_same_gradients(tmp_path):
+    """VaswaniTrainer lets our model smooth its own loss at the labelled positions (labels kept in the inputs);
+    the Trainer's route through the whole logits (LabelSmoothedCrossEntropy) must give the same loss and gradients,
+    with the step's token count as the Trainer passes it under gradient accumulation."""
+    from transformers import DataCollatorForSeq2Seq, Seq2SeqTrainingArguments
+
+    from vaswani_tx.training import LabelSmoothedCrossEntropy, VaswaniTrainer
+
+    config = _tiny_config(vocab_size=40)
+    torch.manual_seed(0)
+    model = VaswaniForConditionalGeneration(config).train()
+    collator = DataCollatorForSeq2Seq(tokenizer=_PadOnly(), model=model, label_pad_token_id=-100)
+    batch = collator(
+        [
+            {"input_ids": [5, 6, 7, 3], "labels": [8, 9, 10, 11, 3]},
+            {"input_ids": [12, 3], "labels": [13, 3]},
+            {"input_ids": [14, 15, 16, 17, 18, 3], "labels": [19, 3]},
+        ]
+    )
+    args = Seq2SeqTrainingArguments(
+        output_dir=str(tmp_path),
+        label_smoothing_factor=0.1,
+        warmup_steps=4,
+        lr_scheduler_type="inverse_sqrt",
+        use_cpu=True,
+        report_to="none",
+    )
+    in_model = VaswaniTrainer(model=model, args=args, data_collator=collator, max_tokens=64)
+    on_logits = VaswaniTrainer(
+        model=model,
+        args=args,
+        data_collator=collator,
+        max_tokens=64,
+        compute_loss_func=LabelSmoothedCrossEntropy(0.1),
+    )
+    assert in_model.loss_in_model and not on_logits.loss_in_model
+    results = []
+    for trainer in (in_model, on_logits):
+        torch.manual_seed(1)  # the same dropout masks
+        model.zero_grad()
+        loss = trainer.compute_loss(model, dict(batch), num_items_in_batch=torch.tensor(13))
+        loss.backward()
+        grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+        results.append((loss.item(), grads))
+    (loss_a, grads_a), (loss_b, grads_b) = results
+    assert loss_a == pytest.approx(loss_b, rel=1e-5)
+    assert grads_a.keys() == grads_b.keys() and grads_a
+    for name, grad in grads_a.items():
+        torch.testing.assert_close(grad, grads_b[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_label_smoothing_outside_0_1_is_refused_by_the_model():
+    model = VaswaniForConditionalGeneration(_tiny_config(vocab_size=40))
+    with pytest.raises(UserInputError, match="label_smoothing"):
+        model(input_ids=torch.tensor([[5, 3]]), labels=torch.tensor([[6, 3]]), label_smoothing=1.0)
 
 
 def test_freed_memory_goes_back_every_few_steps_and_after_each_evaluation(tmp_path):
@@ -591,13 +649,14 @@ def test_evaluation_logs_dev_loss_bleu_and_the_signature(tiny_recipe, tmp_path, 
         "output_dir": str(tmp_path / "o"),
     }
     recipe, arguments = load_run_config(_write_config(tmp_path / "c.yaml", values))
-    with caplog.at_level("INFO", logger="vaswani_tx.evaluation"):
+    with caplog.at_level("INFO", logger="vaswani_tx"):
         metrics = train(recipe, arguments)
     history = json.loads((tmp_path / "o" / "log_history.json").read_text(encoding="utf-8"))
     evaluations = [entry for entry in history if "eval_sacrebleu" in entry]
     assert evaluations and evaluations[0]["step"] == 2 and math.isfinite(evaluations[0]["eval_loss"])
     assert {"eval_loss", "eval_sacrebleu", "eval_chrf"} <= metrics.keys()
     assert "sacreBLEU nrefs:1|case:mixed|eff:no|tok:13a" in caplog.text
+    assert "attn_implementation: auto -> eager (on the CPU" in caplog.text  # the recipe says what it trained with
 
 
 def test_timed_checkpoint_callback_asks_for_a_save_once_the_minutes_have_passed():

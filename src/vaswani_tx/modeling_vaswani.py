@@ -56,7 +56,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .compiled_decoding import attach as attach_compiled_step
 from .configuration_vaswani import VaswaniConfig
-from .errors import check_decoder_mask, check_mask, check_token_ids, load_fitting_weights
+from .errors import UserInputError, check_decoder_mask, check_mask, check_token_ids, load_fitting_weights
 from .generation_vaswani import CACHE_FIELD, VaswaniGenerationMixin, decoding_cache, paper_generation_config
 from .pipeline_vaswani import CUSTOM_PIPELINES
 from .skip_padding import PaddingPlan, at_positions, scatter_positions
@@ -767,10 +767,18 @@ class VaswaniForConditionalGeneration(VaswaniPreTrainedModel, VaswaniGenerationM
         output_hidden_states: bool | None = None,
         return_dict: bool | None = None,
         cache: Cache | None = None,
+        label_smoothing: float = 0.0,
+        num_items_in_batch: int | torch.Tensor | None = None,
         **kwargs,
     ) -> Seq2SeqLMOutput | tuple:
         """The Transformer's output distribution for each target position (logits (B, T, V)), and with `labels`
-        the cross-entropy loss. `cache` is `past_key_values` under the name transformers uses from 5.24 on."""
+        the cross-entropy loss. `cache` is `past_key_values` under the name transformers uses from 5.24 on.
+
+        The loss is over the labelled positions (-100 ignored), against targets smoothed by `label_smoothing`
+        (Section 5.4: epsilon_ls, spread over the whole vocabulary; 0 is plain cross-entropy), their mean, or
+        with `num_items_in_batch` (the Trainer's count of labelled tokens in the whole optimizer step) their sum
+        divided by it. `VaswaniTrainer` trains through this loss: computed from the logits of labelled positions
+        only, it never builds the (B, T, V) tensor's softmax and gradient."""
         past_key_values = decoding_cache(past_key_values, cache)
         return_dict = self.config.return_dict if return_dict is None else return_dict
         if input_ids is not None and attention_mask is None and self.config.pad_token_id is not None:
@@ -800,15 +808,23 @@ class VaswaniForConditionalGeneration(VaswaniPreTrainedModel, VaswaniGenerationM
             return_dict=True,
             padding=padding,
         )
-        logits, loss = self.logits_and_loss(outputs.last_hidden_state, labels, padding)
+        logits, loss = self.logits_and_loss(
+            outputs.last_hidden_state, labels, padding, label_smoothing, num_items_in_batch
+        )
         carried = {name: value for name, value in outputs.items() if name != "last_hidden_state"}  # cache, weights...
         output = Seq2SeqLMOutput(loss=loss, logits=logits, **carried)
         return output if return_dict else output.to_tuple()
 
     def logits_and_loss(
-        self, hidden: torch.Tensor, labels: torch.Tensor | None, padding: PaddingPlan | None
+        self,
+        hidden: torch.Tensor,
+        labels: torch.Tensor | None,
+        padding: PaddingPlan | None,
+        label_smoothing: float = 0.0,
+        num_items_in_batch: int | torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Logits (B, T, V) of the decoder output (B, T, D), and the mean cross-entropy over labels (-100 ignored)."""
+        """Logits (B, T, V) of the decoder output (B, T, D), and the (label-smoothed) cross-entropy over labels
+        (-100 ignored): their mean, or their sum over `num_items_in_batch` (see `forward`)."""
         labelled = padding.labelled if padding is not None else None
         if labelled is None:
             logits = picked = self.project(hidden)  # (B, T, V)
@@ -820,11 +836,20 @@ class VaswaniForConditionalGeneration(VaswaniPreTrainedModel, VaswaniGenerationM
             picked_labels = labels.reshape(-1).index_select(0, labelled)
         if labels is None:
             return logits, None
+        if not 0.0 <= label_smoothing < 1.0:
+            raise UserInputError(f"label_smoothing must be in [0, 1), got {label_smoothing}")
+        # torch's smoothing is the paper's reference [36]'s: (1 - eps) * one-hot + eps / V over every class.
         loss = nn.functional.cross_entropy(
             picked.float().reshape(-1, picked.shape[-1]),
             picked_labels.to(picked.device).reshape(-1),
             ignore_index=-100,
+            label_smoothing=label_smoothing,
+            reduction="mean" if num_items_in_batch is None else "sum",
         )
+        if num_items_in_batch is not None:
+            loss = loss / (
+                num_items_in_batch.to(loss.device) if torch.is_tensor(num_items_in_batch) else num_items_in_batch
+            )
         return logits, loss
 
     def project(self, hidden: torch.Tensor) -> torch.Tensor:

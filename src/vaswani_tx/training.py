@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import inspect
 from functools import partial
 
 import datasets
@@ -234,6 +235,13 @@ class ReturnFreedMemory(TrainerCallback):
         return control
 
 
+def takes_label_smoothing(model) -> bool:
+    """Whether `model`'s forward computes a label-smoothed loss itself (a `label_smoothing` argument, as ours)."""
+    model = getattr(model, "_orig_mod", model)  # torch.compile's wrapper
+    forward = getattr(model, "forward", None)
+    return forward is not None and "label_smoothing" in inspect.signature(forward).parameters
+
+
 class VaswaniTrainer(TokenBudgetSeq2SeqTrainer):
     """Section 5 on ``Seq2SeqTrainer``: token-budget batches, the paper's schedule, label smoothing.
 
@@ -243,9 +251,12 @@ class VaswaniTrainer(TokenBudgetSeq2SeqTrainer):
     - Schedule: :func:`get_paper_schedule` with ``warmup_steps`` (must be a whole number of steps)
       and the model's ``d_model``; ``lr_scheduler_type`` must say ``inverse_sqrt``, the family it
       belongs to, so that a config asking for another schedule fails instead of being ignored.
-    - Loss: :class:`LabelSmoothedCrossEntropy` with ``label_smoothing_factor`` over non-pad target
+    - Loss: cross-entropy against targets smoothed by ``label_smoothing_factor`` over non-pad target
       tokens, normalised by the optimizer step's token count (so accumulation and several processes
       equal one large batch); with ``label_smoothing_factor: 0`` it is plain token-level cross-entropy.
+      Our model computes it in its forward (``label_smoothing``, ``num_items_in_batch``) from the logits of
+      labelled positions only; another model's logits go through :class:`LabelSmoothedCrossEntropy`, the
+      same loss, as does any ``compute_loss_func`` given.
     - No gradient clipping unless ``max_grad_norm`` > 0 (the paper has none; the configs set 0).
     - On the CPU under glibc, :class:`ReturnFreedMemory` keeps the process from growing with the batches' shapes.
     """
@@ -261,11 +272,25 @@ class VaswaniTrainer(TokenBudgetSeq2SeqTrainer):
         if warmup < 1 or warmup != int(warmup):
             raise UserInputError(f"warmup_steps must be a whole number of steps >= 1 (the paper's 4000), got {warmup}")
         epsilon = training_args.label_smoothing_factor
-        kwargs.setdefault("compute_loss_func", LabelSmoothedCrossEntropy(epsilon))
+        if not 0.0 <= epsilon < 1.0:
+            raise UserInputError(f"label_smoothing_factor must be in [0, 1), got {epsilon}")
+        model = kwargs.get("model", args[0] if args else None)
+        # A model whose forward smooths its own loss (ours) computes it from the logits of labelled positions only,
+        # and keeps the labels, so it also skips the targets' padding; any other model gets the loss on its logits.
+        self.loss_in_model = "compute_loss_func" not in kwargs and takes_label_smoothing(model)
+        if not self.loss_in_model:
+            kwargs.setdefault("compute_loss_func", LabelSmoothedCrossEntropy(epsilon))
         super().__init__(*args, **kwargs)
         # The Trainer builds its own LabelSmoother from label_smoothing_factor; ours replaces it.
         self.label_smoother = None
         self.add_callback(ReturnFreedMemory())
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        if self.loss_in_model and "labels" in inputs:
+            inputs = {**inputs, "label_smoothing": self.args.label_smoothing_factor}
+        return super().compute_loss(
+            model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
+        )
 
     def create_scheduler(self, num_training_steps: int, optimizer: torch.optim.Optimizer | None = None):
         if self.lr_scheduler is None:
