@@ -67,3 +67,44 @@ def test_translate_dtype_auto_says_what_it_chose(tiny_translator, cpu, capsys):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("vaswani-tx translate: dtype auto -> ")
     assert ("bfloat16" if cpu else "float32 (this CPU has no bf16 instructions") in err
+
+
+def test_training_attention_auto_is_eager_on_the_cpu_and_sdpa_on_a_gpu():
+    assert precision.training_attention("auto", "cpu")[0] == "eager"
+    assert precision.training_attention("auto", "cuda")[0] == "sdpa"
+    for asked in ("eager", "sdpa"):  # a run config's explicit choice stands on every device
+        assert precision.training_attention(asked, "cpu")[0] == asked
+        assert precision.training_attention(asked, "cuda")[0] == asked
+
+
+def test_an_unknown_attention_implementation_is_refused_before_work(tmp_path):
+    text = (REPO / "configs/train/multi30k-en-de.yaml").read_text(encoding="utf-8")
+    (tmp_path / "c.yaml").write_text(text + "attn_implementation: flash\n", encoding="utf-8")
+    with pytest.raises(UserInputError, match="attn_implementation must be one of auto, eager, sdpa, got 'flash'"):
+        load_run_config(tmp_path / "c.yaml")
+
+
+def test_eager_and_sdpa_attention_train_the_same_function():
+    """`attn_implementation: auto` trains with Equation 1 written out on the CPU: the loss and every gradient are
+    SDPA's on a padded batch (padding in sources and targets, the decoder's causal mask)."""
+    from vaswani_tx.configuration_vaswani import VaswaniConfig
+    from vaswani_tx.modeling_vaswani import VaswaniForConditionalGeneration
+
+    config = VaswaniConfig(
+        vocab_size=50, d_model=32, d_ff=64, num_heads=4, num_encoder_layers=2, num_decoder_layers=2, dropout=0.0
+    )
+    torch.manual_seed(0)
+    model = VaswaniForConditionalGeneration(config)
+    source = torch.tensor([[5, 6, 7, 8, 3], [9, 10, 3, 0, 0]])
+    labels = torch.tensor([[11, 12, 13, 3], [14, 3, -100, -100]])
+    results = {}
+    for implementation in ("sdpa", "eager"):
+        model.set_attn_implementation(implementation)
+        model.zero_grad()
+        loss = model(input_ids=source, labels=labels, label_smoothing=0.1).loss
+        loss.backward()
+        results[implementation] = loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}
+    (sdpa_loss, sdpa_grads), (eager_loss, eager_grads) = results["sdpa"], results["eager"]
+    assert eager_loss == pytest.approx(sdpa_loss, rel=1e-6)
+    for name, grad in sdpa_grads.items():
+        torch.testing.assert_close(eager_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)

@@ -1,4 +1,5 @@
-"""bf16 where the hardware has it: `bf16: auto` in run configs and `--dtype auto` for decoding.
+"""What the hardware makes fast: bf16 (`bf16: auto` in run configs, `--dtype auto` for decoding) and the attention
+kernel to train with (`attn_implementation: auto`).
 
 On a CPU, bfloat16 is fast only with bf16 instructions (AVX512-BF16, or AMX's tile multiply): oneDNN then
 multiplies bf16 matrices natively, about twice as fast as float32 (AMX: more). Without them it emulates
@@ -70,6 +71,19 @@ def resolve_bf16_setting(value, where: str = "run config") -> bool:
     return value
 
 
+def training_attention(value: str = "auto", device: str | torch.device | None = None) -> tuple[str, str]:
+    """The attention implementation to train with and why: a run config's `attn_implementation` ("auto", "eager"
+    or "sdpa"). "auto" is "eager" on the CPU, where our Equation 1 (two batched products and a softmax) trains
+    faster than torch's SDPA kernels, whose CPU backward took about 10x their forward (a 120-step run of the
+    Multi30k recipe: 1.2-1.3x faster; docs/training.md), and "sdpa" on a GPU. Both compute the same function."""
+    device = torch.device(training_device() if device is None else device)
+    if value != "auto":
+        return value, "asked for in the run config"
+    if device.type == "cpu":
+        return "eager", "on the CPU, SDPA's backward is slower than Equation 1's two products and softmax"
+    return "sdpa", f"on {device.type}, SDPA's fused kernels"
+
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -96,4 +110,11 @@ def decoding_dtype(dtype: str | torch.dtype | None = "auto", device: str | torch
     return chosen
 
 
-__all__ = ["DTYPES", "bf16_is_fast", "cpu_bf16_instructions", "decoding_dtype", "resolve_bf16_setting"]
+__all__ = [
+    "DTYPES",
+    "bf16_is_fast",
+    "cpu_bf16_instructions",
+    "decoding_dtype",
+    "resolve_bf16_setting",
+    "training_attention",
+]

@@ -48,6 +48,7 @@ from vaswani_tx.evaluation import make_compute_metrics
 from vaswani_tx.folders import RunLock, check_writable
 from vaswani_tx.modeling_vaswani import VaswaniForConditionalGeneration
 from vaswani_tx.params import load_model_config
+from vaswani_tx.precision import training_attention
 from vaswani_tx.run_config import ConfigError, RecipeConfig, check_paths
 from vaswani_tx.tokenization import (
     check_tokenizer_fits_model,
@@ -233,6 +234,9 @@ def _train(
 
     set_seed(arguments.seed)  # the initial weights; the Trainer reseeds for the data order and dropout
     model = VaswaniForConditionalGeneration(config)
+    attention, why = training_attention(recipe.attn_implementation)
+    model.set_attn_implementation(attention)  # for this run only: not saved with the model
+    logger.info("attn_implementation: %s -> %s (%s)", recipe.attn_implementation, attention, why)
     if recipe.generation:
         set_generation_defaults(model, recipe.generation, generation_fields)
     collator = DataCollatorForSeq2Seq(tokenizer, model=model, label_pad_token_id=-100)

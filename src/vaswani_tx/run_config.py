@@ -55,9 +55,11 @@ class RecipeConfig:
     max_length_ratio: float | None = 3.0
     average_last: int = 5  # checkpoints `train` averages into output_dir/averaged (Section 6.1: 5 base, 20 big)
     generation: dict[str, Any] | None = None  # decoding defaults saved in the model's generation_config
+    attn_implementation: str = "auto"  # eager or sdpa while training; auto: eager on the CPU, sdpa on a GPU
 
 
 RECIPE_FIELDS = tuple(f.name for f in fields(RecipeConfig))
+ATTENTION_CHOICES = ("auto", "eager", "sdpa")  # attn_implementation (precision.py's training_attention)
 # Seq2SeqTrainingArguments fields that ask the machine (bf16 and tf32 need a GPU that has them) when constructed
 DEVICE_FIELDS = ("bf16", "fp16", "bf16_full_eval", "fp16_full_eval", "tf32")
 
@@ -206,6 +208,11 @@ def load_run_config(
     if sum(given) != 1 or bool(recipe.train_source) != bool(recipe.train_target):
         raise ConfigError(
             f"run config {path}: give train_source with train_target, wmt14, or train_dataset (one of the three)"
+        )
+    if recipe.attn_implementation not in ATTENTION_CHOICES:
+        raise ConfigError(
+            f"run config {path}: attn_implementation must be one of {', '.join(ATTENTION_CHOICES)}, "
+            f"got {recipe.attn_implementation!r}"
         )
     if recipe.max_tokens <= 0:
         raise ConfigError(f"max_tokens must be > 0, got {recipe.max_tokens}")
