@@ -201,6 +201,36 @@ def test_skipping_padding_changes_nothing_that_counts(attn):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
+def test_rows_rounded_up_under_cpu_bf16_add_padding_positions_and_change_nothing_that_counts(monkeypatch):
+    """Under CPU bf16 autocast the positions computed are rounded up to a multiple of ROWS_MULTIPLE_BF16_CPU with
+    padding positions (a bounded set of matrix shapes); forced here in float32 to a multiple of 4, the loss and
+    gradients stay those of computing everything."""
+    from vaswani_tx import skip_padding
+
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 0, 0, 0, 0]])
+    assert skip_padding.real_positions(mask).tolist() == [0, 1, 2, 5]
+    rounded = skip_padding.real_positions(mask, 3).tolist()
+    assert len(rounded) == 6 and {0, 1, 2, 5} <= set(rounded) and rounded == sorted(set(rounded))
+    assert skip_padding.real_positions(mask, 16) is None  # rounded up to every position
+    assert skip_padding.rows_multiple() == 1
+    with torch.autocast("cpu", torch.bfloat16):
+        assert skip_padding.rows_multiple() == skip_padding.ROWS_MULTIPLE_BF16_CPU == 64
+    monkeypatch.setattr(skip_padding, "rows_multiple", lambda: 4)
+    skip, full = tiny_model(), tiny_model(skip_padding=False)
+    ids, mask, labels = padded_training_batch()
+    plan = skip_padding.PaddingPlan.build(skip.config, mask, None, labels, target_length=labels.shape[1])
+    assert all(index is None or index.numel() % 4 == 0 for index in (plan.source, plan.target, plan.labelled))
+    losses = []
+    for model in (skip, full):
+        model.train()
+        loss = model(input_ids=ids, attention_mask=mask, labels=labels, label_smoothing=0.1).loss
+        loss.backward()
+        losses.append(loss)
+    torch.testing.assert_close(losses[0], losses[1], rtol=0, atol=1e-6)
+    for (name, p), q in zip(skip.named_parameters(), full.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
 def test_skipping_padding_follows_the_decoder_mask_and_leaves_decoding_alone():
     skip, full = tiny_model(), tiny_model(skip_padding=False)
     ids, mask = batch()

@@ -239,7 +239,10 @@ def _train(
     logger.info("attn_implementation: %s -> %s (%s)", recipe.attn_implementation, attention, why)
     if recipe.generation:
         set_generation_defaults(model, recipe.generation, generation_fields)
-    collator = DataCollatorForSeq2Seq(tokenizer, model=model, label_pad_token_id=-100)
+    # Lengths padded to a multiple of 8 (the token budget counts that padding): with the rows skip_padding rounds
+    # (ROWS_MULTIPLE_BF16_CPU), a bounded set of matrix shapes; under CPU bf16 a process that meets ever new ones
+    # slows down step after step (docs/training.md). GPUs' tensor cores also prefer multiples of 8.
+    collator = DataCollatorForSeq2Seq(tokenizer, model=model, label_pad_token_id=-100, pad_to_multiple_of=8)
     callbacks = [TimedCheckpointCallback(recipe.save_minutes)] if recipe.save_minutes else []
     if not any(isinstance(c, TrainingClock) for c in extra_callbacks):  # the parser's F1 callback is one
         callbacks.append(TrainingClock())

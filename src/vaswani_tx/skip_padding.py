@@ -49,10 +49,11 @@ class PaddingPlan:
         if not config.skip_padding:
             return cls()
         target = labelled = None
+        multiple = rows_multiple()
         ends = None  # (B,): target positions at and after ends[b] need no output
         if labels is not None:
             has_label = labels.ne(-100)
-            labelled = real_positions(has_label)
+            labelled = real_positions(has_label, multiple)
             ends = prefix_lengths(has_label)
         if target_mask is not None:
             mask_ends = prefix_lengths(target_mask)
@@ -63,8 +64,8 @@ class PaddingPlan:
                 if target_length is not None
                 else (labels if labels is not None else target_mask).shape[1]
             )
-            target = real_positions(torch.arange(length, device=ends.device)[None, :] < ends[:, None])
-        return cls(source=real_positions(source_mask), target=target, labelled=labelled)
+            target = real_positions(torch.arange(length, device=ends.device)[None, :] < ends[:, None], multiple)
+        return cls(source=real_positions(source_mask, multiple), target=target, labelled=labelled)
 
 
 def at_positions(function, hidden_states: torch.Tensor, index: torch.Tensor | None) -> torch.Tensor:
@@ -82,16 +83,39 @@ def scatter_positions(picked: torch.Tensor, index: torch.Tensor, batch: int, len
     return picked.new_zeros(batch * length, picked.shape[-1]).index_copy(0, index, picked).view(batch, length, -1)
 
 
-def real_positions(mask: torch.Tensor | None) -> torch.Tensor | None:
+# Under bf16 autocast on the CPU, oneDNN generates a kernel for each matrix shape it meets, and a process that has
+# met many of them runs every step slower (a training run's steps from 0.6 to 0.85 s over its first 500 with batches
+# of ever new sizes; flat with the same 20 sizes: docs/training.md). The rows computed are rounded up to a multiple
+# of this (padding positions added, computed as without skipping), which bounds the shapes a run can meet.
+ROWS_MULTIPLE_BF16_CPU = 64
+
+
+def rows_multiple() -> int:
+    """The multiple of rows `real_positions` rounds up to here: `ROWS_MULTIPLE_BF16_CPU` under CPU bf16 autocast."""
+    if torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16:
+        return ROWS_MULTIPLE_BF16_CPU
+    return 1
+
+
+def real_positions(mask: torch.Tensor | None, multiple: int = 1) -> torch.Tensor | None:
     """Flat indices into (B, L) of the positions where `mask` (B, L) is nonzero: the positions to
-    compute. A row with none is computed whole. None when that is every position."""
+    compute. A row with none is computed whole. None when that is every position. With `multiple`,
+    as many other positions as round their number up to a multiple of it (fewer where (B, L) has no more)."""
     if mask is None:
         return None
     keep = mask.bool()
     keep = keep | ~keep.any(1, keepdim=True)
     if bool(keep.all()):
         return None
-    return keep.reshape(-1).nonzero().squeeze(1)
+    flat = keep.reshape(-1)
+    index = flat.nonzero().squeeze(1)
+    wanted = min(flat.numel(), -(-index.numel() // multiple) * multiple)
+    if wanted == flat.numel():
+        return None
+    if wanted > index.numel():
+        extra = (~flat).nonzero().squeeze(1)[: wanted - index.numel()]
+        index = torch.cat((index, extra)).sort().values
+    return index
 
 
 def prefix_lengths(mask: torch.Tensor) -> torch.Tensor:
@@ -100,4 +124,12 @@ def prefix_lengths(mask: torch.Tensor) -> torch.Tensor:
     return torch.where(ones.any(1), ones.shape[1] - ones.flip(1).int().argmax(1), 0)
 
 
-__all__ = ["PaddingPlan", "at_positions", "prefix_lengths", "real_positions", "scatter_positions"]
+__all__ = [
+    "ROWS_MULTIPLE_BF16_CPU",
+    "PaddingPlan",
+    "at_positions",
+    "prefix_lengths",
+    "real_positions",
+    "rows_multiple",
+    "scatter_positions",
+]
