@@ -114,6 +114,29 @@ def test_a_decoder_prefix_the_fairseq_cap_and_suppressed_tokens(loops):
     assert loops == ["beam_search"] * 2
 
 
+def test_beam_search_decodes_its_first_step_once_per_source(monkeypatch, loops):
+    """All k beams of a source start from the same prefix: the first step is decoded for one row per source and
+    its keys, values and logits copied to the k beams; the ids stay transformers'. A prefix whose beams differ
+    cannot come from generate(), which repeats each row k times."""
+    rows = []
+    hidden = fast_decoding.DecodingSession.hidden
+    monkeypatch.setattr(
+        fast_decoding.DecodingSession,
+        "hidden",
+        lambda self, tokens: rows.append(tokens.shape[0]) or hidden(self, tokens),
+    )
+    model = eos_prone_model(seed=3)
+    ids, mask = batch(seed=5, lengths=(7, 4, 6, 2))
+    for prefix in (None, torch.tensor([[2, 7], [2, 9], [2, 11], [2, 5]])):
+        rows.clear()
+        extra = {} if prefix is None else {"decoder_input_ids": prefix}
+        ending = LogitsProcessorList([EndsAtPerSource([3, 7, 5, 12])])
+        fast, stock = both(model, input_ids=ids, attention_mask=mask, num_beams=4, logits_processor=ending, **extra)
+        assert torch.equal(fast, stock)
+        assert rows[0] == 4 and rows[1] == 16  # one row per source, then 4 beams each
+    assert loops == ["beam_search"] * 2
+
+
 def test_the_packed_projection_follows_the_weights():
     """The pre-softmax matrix is packed once per model and number of rows; a change to the weights (an optimizer
     step, a loaded state dict) packs again rather than decode with the old ones."""

@@ -834,6 +834,20 @@ def top_k_continuations(
     return topk_log_probs, topk_running_sequences, topk_running_beam_indices
 
 
+def first_step(session, tokens: torch.Tensor, num_beams: int) -> torch.Tensor:
+    """The first step's logits (rows, V) for the k beams of each source, decoded from one row per source: the beams
+    of a source start from the same prefix, so their keys, values and logits are the same (transformers' loop
+    decodes all k). The cache then holds k copies of each row. Rows whose beams start apart are decoded whole."""
+    sources = tokens.shape[0] // num_beams
+    prefixes = tokens.view(sources, num_beams, -1)
+    if num_beams == 1 or not bool((prefixes == prefixes[:, :1]).all()):
+        return session.step(tokens)
+    logits = session.step(tokens[::num_beams])
+    every = torch.arange(sources, device=tokens.device)
+    session.select(every, every.repeat_interleave(num_beams))
+    return logits.repeat_interleave(num_beams, dim=0)
+
+
 @in_inference_mode
 def beam_search(model, input_ids, logits_processor, stopping_criteria, generation_config, model_kwargs):
     """transformers' `_beam_search` (without sampling), with its own bookkeeping functions: at each step the
@@ -884,8 +898,10 @@ def beam_search(model, input_ids, logits_processor, stopping_criteria, generatio
     finished_sequences, finished_beam_indices = sequences, beam_indices  # a source's final rows, by original id
     active = torch.arange(batch_size, device=device)  # the bookkeeping's sources still decoded
     active_rows = None  # their rows, source-major (None: all)
+    first = True
     while True:
-        logits = session.step(tokens)
+        logits = first_step(session, tokens, num_beams) if first else session.step(tokens)
+        first = False
         if active_rows is not None:  # a finished source's rows keep their last logits: it cannot change any more
             logits = scores.index_copy_(0, active_rows, logits)
         scores = logits
