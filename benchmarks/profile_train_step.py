@@ -2,10 +2,13 @@
 shaped like its Multi30k token-budget batches (issue 21).
 
     .venv/bin/python benchmarks/profile_train_step.py [--steps 10] [--tokens 2048] [--length 14] [--compile] [--bf16]
+        [--attn eager|sdpa] [--loss-on-logits]
 
 Random token ids (the vocabulary of the model config) in sentences of `--length` tokens, `--tokens` per side per
 batch, as `VaswaniTrainer` builds them; one step is forward, the label-smoothed loss (Section 5.4), backward and
-Adam (Section 5.3). Prints the wall time of each phase and `torch.profiler`'s operators by self CPU time. Times
+Adam (Section 5.3), as `VaswaniTrainer` runs it: the attention `attn_implementation: auto` picks on the CPU (eager)
+and the loss computed by the model (`label_smoothing`); `--attn sdpa` and `--loss-on-logits` (the Trainer's route
+through the whole logits, `label_smoothed_loss`) measure the alternatives. Prints the wall time of each phase and `torch.profiler`'s operators by self CPU time. Times
 depend on the machine and its load: print `uptime` beside them.
 """
 
@@ -39,11 +42,18 @@ def main() -> None:
         action="store_true",
         help="forward and loss under CPU autocast to bfloat16 (as the run config's bf16: true); weights stay float32",
     )
+    parser.add_argument("--attn", choices=("eager", "sdpa"), default="eager", help="the attention implementation")
+    parser.add_argument(
+        "--loss-on-logits",
+        action="store_true",
+        help="the label-smoothed loss on the model's whole logits (LabelSmoothedCrossEntropy's route)",
+    )
     args = parser.parse_args()
 
     torch.manual_seed(0)
     config = load_model_config(args.config)
     model = VaswaniForConditionalGeneration(config).train()
+    model.set_attn_implementation(args.attn)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9)
     forward_model = torch.compile(model) if args.compile else model  # compiled on the first warm-up step
     sentences = args.tokens // args.length
@@ -56,8 +66,12 @@ def main() -> None:
         started = time.perf_counter()
         with record_function("forward + loss"), torch.autocast("cpu", torch.bfloat16, enabled=args.bf16):
             # as the Trainer calls it with a label smoother: labels popped, the collator's decoder inputs
-            logits = forward_model(input_ids=source, decoder_input_ids=decoder_input_ids).logits
-            loss = label_smoothed_loss(logits, labels, 0.1)
+            if args.loss_on_logits:
+                logits = forward_model(input_ids=source, decoder_input_ids=decoder_input_ids).logits
+                loss = label_smoothed_loss(logits, labels, 0.1)
+            else:
+                inputs = {"input_ids": source, "decoder_input_ids": decoder_input_ids, "labels": labels}
+                loss = forward_model(**inputs, label_smoothing=0.1, num_items_in_batch=labels.numel()).loss
         forward = time.perf_counter()
         with record_function("backward"):
             loss.backward()
@@ -80,6 +94,7 @@ def main() -> None:
         f"{config.d_model=} {config.num_encoder_layers=} {config.vocab_size=}; {sentences} sentences x {args.length} tokens"
     )
     compiled = ("compiled" if args.compile else "eager") + (", bf16 autocast" if args.bf16 else ", float32")
+    compiled += f", {args.attn} attention, loss " + ("on the whole logits" if args.loss_on_logits else "in the model")
     print(f"{compiled}; threads {torch.get_num_threads()}; mean step {total / args.steps * 1000:.0f} ms")
     for name, seconds in phases.items():
         print(f"  {name:15s} {seconds / args.steps * 1000:7.1f} ms  {100 * seconds / total:5.1f}%")
