@@ -121,30 +121,38 @@ def test_label_smoothing_equals_hand_computation_over_non_pad_tokens():
     )
 
 
-def test_trainer_loss_on_a_padded_batch_equals_hand_computation(tmp_path):
-    from transformers import DataCollatorForSeq2Seq, Seq2SeqTrainingArguments
+def _smoothing_args(output_dir):
+    """Seq2SeqTrainingArguments that VaswaniTrainer accepts, with Section 5.4's label smoothing."""
+    from transformers import Seq2SeqTrainingArguments
 
-    from vaswani_tx.training import VaswaniTrainer
-
-    config = _tiny_config(vocab_size=40)
-    torch.manual_seed(0)
-    model = VaswaniForConditionalGeneration(config).eval()
-    collator = DataCollatorForSeq2Seq(tokenizer=_PadOnly(), model=model, label_pad_token_id=-100)
-    batch = collator(
-        [
-            {"input_ids": [5, 6, 7, 3], "labels": [8, 9, 10, 11, 3]},
-            {"input_ids": [12, 3], "labels": [13, 3]},
-        ]
-    )
-    assert (batch["labels"] == -100).sum() == 3
-    args = Seq2SeqTrainingArguments(
-        output_dir=str(tmp_path),
+    return Seq2SeqTrainingArguments(
+        output_dir=str(output_dir),
         label_smoothing_factor=0.1,
         warmup_steps=4,
         lr_scheduler_type="inverse_sqrt",
         use_cpu=True,
         report_to="none",
     )
+
+
+def _padded_batch(model, *more: dict):
+    """The collator the recipe uses (labels padded with -100) and a padded batch of two or more pairs."""
+    from transformers import DataCollatorForSeq2Seq
+
+    collator = DataCollatorForSeq2Seq(tokenizer=_PadOnly(), model=model, label_pad_token_id=-100)
+    pairs = [{"input_ids": [5, 6, 7, 3], "labels": [8, 9, 10, 11, 3]}, {"input_ids": [12, 3], "labels": [13, 3]}]
+    return collator, collator(pairs + list(more))
+
+
+def test_trainer_loss_on_a_padded_batch_equals_hand_computation(tmp_path):
+    from vaswani_tx.training import VaswaniTrainer
+
+    config = _tiny_config(vocab_size=40)
+    torch.manual_seed(0)
+    model = VaswaniForConditionalGeneration(config).eval()
+    collator, batch = _padded_batch(model)
+    assert (batch["labels"] == -100).sum() == 3
+    args = _smoothing_args(tmp_path)
     trainer = VaswaniTrainer(model=model, args=args, data_collator=collator, max_tokens=64)
     with torch.no_grad():
         loss = trainer.compute_loss(model, dict(batch))
@@ -157,29 +165,13 @@ def test_loss_computed_in_the_model_equals_the_loss_on_its_logits_with_the_same_
     """VaswaniTrainer lets our model smooth its own loss at the labelled positions (labels kept in the inputs);
     the Trainer's route through the whole logits (LabelSmoothedCrossEntropy) must give the same loss and gradients,
     with the step's token count as the Trainer passes it under gradient accumulation."""
-    from transformers import DataCollatorForSeq2Seq, Seq2SeqTrainingArguments
-
     from vaswani_tx.training import LabelSmoothedCrossEntropy, VaswaniTrainer
 
     config = _tiny_config(vocab_size=40)
     torch.manual_seed(0)
     model = VaswaniForConditionalGeneration(config).train()
-    collator = DataCollatorForSeq2Seq(tokenizer=_PadOnly(), model=model, label_pad_token_id=-100)
-    batch = collator(
-        [
-            {"input_ids": [5, 6, 7, 3], "labels": [8, 9, 10, 11, 3]},
-            {"input_ids": [12, 3], "labels": [13, 3]},
-            {"input_ids": [14, 15, 16, 17, 18, 3], "labels": [19, 3]},
-        ]
-    )
-    args = Seq2SeqTrainingArguments(
-        output_dir=str(tmp_path),
-        label_smoothing_factor=0.1,
-        warmup_steps=4,
-        lr_scheduler_type="inverse_sqrt",
-        use_cpu=True,
-        report_to="none",
-    )
+    collator, batch = _padded_batch(model, {"input_ids": [14, 15, 16, 17, 18, 3], "labels": [19, 3]})
+    args = _smoothing_args(tmp_path)
     in_model = VaswaniTrainer(model=model, args=args, data_collator=collator, max_tokens=64)
     on_logits = VaswaniTrainer(
         model=model,
