@@ -7,7 +7,7 @@ shaped like its Multi30k token-budget batches (issue 21).
 Random token ids (the vocabulary of the model config) in sentences of `--length` tokens, `--tokens` per side per
 batch, as `VaswaniTrainer` builds them; one step is forward, the label-smoothed loss (Section 5.4), backward and
 Adam (Section 5.3), as `VaswaniTrainer` runs it: the attention `attn_implementation: auto` picks on the CPU (eager)
-and the loss computed by the model (`label_smoothing`); `--attn sdpa` and `--loss-on-logits` (the Trainer's route
+and the loss computed by the model (`epsilon_ls`); `--attn sdpa` and `--loss-on-logits` (the Trainer's route
 through the whole logits, `label_smoothed_loss`) measure the alternatives. Prints the wall time of each phase and `torch.profiler`'s operators by self CPU time. Times
 depend on the machine and its load: print `uptime` beside them.
 """
@@ -71,7 +71,7 @@ def main() -> None:
                 loss = label_smoothed_loss(logits, labels, 0.1)
             else:
                 inputs = {"input_ids": source, "decoder_input_ids": decoder_input_ids, "labels": labels}
-                loss = forward_model(**inputs, label_smoothing=0.1, num_items_in_batch=labels.numel()).loss
+                loss = forward_model(**inputs, epsilon_ls=0.1, num_items_in_batch=labels.numel()).loss
         forward = time.perf_counter()
         with record_function("backward"):
             loss.backward()

@@ -223,7 +223,7 @@ def test_rows_rounded_up_under_cpu_bf16_add_padding_positions_and_change_nothing
     losses = []
     for model in (skip, full):
         model.train()
-        loss = model(input_ids=ids, attention_mask=mask, labels=labels, label_smoothing=0.1).loss
+        loss = model(input_ids=ids, attention_mask=mask, labels=labels, epsilon_ls=0.1).loss
         loss.backward()
         losses.append(loss)
     torch.testing.assert_close(losses[0], losses[1], rtol=0, atol=1e-6)

@@ -101,7 +101,7 @@ def test_eager_and_sdpa_attention_train_the_same_function():
     for implementation in ("sdpa", "eager"):
         model.set_attn_implementation(implementation)
         model.zero_grad()
-        loss = model(input_ids=source, labels=labels, label_smoothing=0.1).loss
+        loss = model(input_ids=source, labels=labels, epsilon_ls=0.1).loss
         loss.backward()
         results[implementation] = loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}
     (sdpa_loss, sdpa_grads), (eager_loss, eager_grads) = results["sdpa"], results["eager"]

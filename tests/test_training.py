@@ -198,8 +198,8 @@ def test_loss_computed_in_the_model_equals_the_loss_on_its_logits_with_the_same_
 
 def test_label_smoothing_outside_0_1_is_refused_by_the_model():
     model = VaswaniForConditionalGeneration(_tiny_config(vocab_size=40))
-    with pytest.raises(UserInputError, match="label_smoothing"):
-        model(input_ids=torch.tensor([[5, 3]]), labels=torch.tensor([[6, 3]]), label_smoothing=1.0)
+    with pytest.raises(UserInputError, match="epsilon_ls"):
+        model(input_ids=torch.tensor([[5, 3]]), labels=torch.tensor([[6, 3]]), epsilon_ls=1.0)
 
 
 def test_freed_memory_goes_back_every_few_steps_and_after_each_evaluation(tmp_path):

@@ -767,15 +767,17 @@ class VaswaniForConditionalGeneration(VaswaniPreTrainedModel, VaswaniGenerationM
         output_hidden_states: bool | None = None,
         return_dict: bool | None = None,
         cache: Cache | None = None,
-        label_smoothing: float = 0.0,
+        epsilon_ls: float = 0.0,
         num_items_in_batch: int | torch.Tensor | None = None,
         **kwargs,
     ) -> Seq2SeqLMOutput | tuple:
         """The Transformer's output distribution for each target position (logits (B, T, V)), and with `labels`
         the cross-entropy loss. `cache` is `past_key_values` under the name transformers uses from 5.24 on.
 
-        The loss is over the labelled positions (-100 ignored), against targets smoothed by `label_smoothing`
-        (Section 5.4: epsilon_ls, spread over the whole vocabulary; 0 is plain cross-entropy), their mean, or
+        The loss is over the labelled positions (-100 ignored), against targets smoothed by `epsilon_ls`
+        (Section 5.4's label smoothing, spread over the whole vocabulary; 0 is plain cross-entropy; not named
+        `label_smoothing`: transformers takes every forward argument with "label" in its name for a label
+        column), their mean, or
         with `num_items_in_batch` (the Trainer's count of labelled tokens in the whole optimizer step) their sum
         divided by it. `VaswaniTrainer` trains through this loss: computed from the logits of labelled positions
         only, it never builds the (B, T, V) tensor's softmax and gradient."""
@@ -808,9 +810,7 @@ class VaswaniForConditionalGeneration(VaswaniPreTrainedModel, VaswaniGenerationM
             return_dict=True,
             padding=padding,
         )
-        logits, loss = self.logits_and_loss(
-            outputs.last_hidden_state, labels, padding, label_smoothing, num_items_in_batch
-        )
+        logits, loss = self.logits_and_loss(outputs.last_hidden_state, labels, padding, epsilon_ls, num_items_in_batch)
         carried = {name: value for name, value in outputs.items() if name != "last_hidden_state"}  # cache, weights...
         output = Seq2SeqLMOutput(loss=loss, logits=logits, **carried)
         return output if return_dict else output.to_tuple()
@@ -820,7 +820,7 @@ class VaswaniForConditionalGeneration(VaswaniPreTrainedModel, VaswaniGenerationM
         hidden: torch.Tensor,
         labels: torch.Tensor | None,
         padding: PaddingPlan | None,
-        label_smoothing: float = 0.0,
+        epsilon_ls: float = 0.0,
         num_items_in_batch: int | torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logits (B, T, V) of the decoder output (B, T, D), and the (label-smoothed) cross-entropy over labels
@@ -836,14 +836,14 @@ class VaswaniForConditionalGeneration(VaswaniPreTrainedModel, VaswaniGenerationM
             picked_labels = labels.reshape(-1).index_select(0, labelled)
         if labels is None:
             return logits, None
-        if not 0.0 <= label_smoothing < 1.0:
-            raise UserInputError(f"label_smoothing must be in [0, 1), got {label_smoothing}")
+        if not 0.0 <= epsilon_ls < 1.0:
+            raise UserInputError(f"epsilon_ls (label smoothing) must be in [0, 1), got {epsilon_ls}")
         # torch's smoothing is the paper's reference [36]'s: (1 - eps) * one-hot + eps / V over every class.
         loss = nn.functional.cross_entropy(
             picked.float().reshape(-1, picked.shape[-1]),
             picked_labels.to(picked.device).reshape(-1),
             ignore_index=-100,
-            label_smoothing=label_smoothing,
+            label_smoothing=epsilon_ls,
             reduction="mean" if num_items_in_batch is None else "sum",
         )
         if num_items_in_batch is not None:

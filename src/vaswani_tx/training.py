@@ -73,6 +73,8 @@ class TokenBudgetSeq2SeqTrainer(Seq2SeqTrainer):
             rank=self.args.process_index,
             # the budget must hold after the collator's own padding
             pad_to_multiple_of=getattr(self.data_collator, "pad_to_multiple_of", None),
+            # training batches split alike for P processes and for one accumulating P batches (the same steps)
+            accumulation=self.args.gradient_accumulation_steps if shuffle else 1,
         )
         if shuffle:
             self.train_sampler = sampler
@@ -236,10 +238,10 @@ class ReturnFreedMemory(TrainerCallback):
 
 
 def takes_label_smoothing(model) -> bool:
-    """Whether `model`'s forward computes a label-smoothed loss itself (a `label_smoothing` argument, as ours)."""
+    """Whether `model`'s forward computes a label-smoothed loss itself (an `epsilon_ls` argument, as ours)."""
     model = getattr(model, "_orig_mod", model)  # torch.compile's wrapper
     forward = getattr(model, "forward", None)
-    return forward is not None and "label_smoothing" in inspect.signature(forward).parameters
+    return forward is not None and "epsilon_ls" in inspect.signature(forward).parameters
 
 
 class VaswaniTrainer(TokenBudgetSeq2SeqTrainer):
@@ -254,7 +256,7 @@ class VaswaniTrainer(TokenBudgetSeq2SeqTrainer):
     - Loss: cross-entropy against targets smoothed by ``label_smoothing_factor`` over non-pad target
       tokens, normalised by the optimizer step's token count (so accumulation and several processes
       equal one large batch); with ``label_smoothing_factor: 0`` it is plain token-level cross-entropy.
-      Our model computes it in its forward (``label_smoothing``, ``num_items_in_batch``) from the logits of
+      Our model computes it in its forward (``epsilon_ls``, ``num_items_in_batch``) from the logits of
       labelled positions only; another model's logits go through :class:`LabelSmoothedCrossEntropy`, the
       same loss, as does any ``compute_loss_func`` given.
     - No gradient clipping unless ``max_grad_norm`` > 0 (the paper has none; the configs set 0).
@@ -287,7 +289,7 @@ class VaswaniTrainer(TokenBudgetSeq2SeqTrainer):
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         if self.loss_in_model and "labels" in inputs:
-            inputs = {**inputs, "label_smoothing": self.args.label_smoothing_factor}
+            inputs = {**inputs, "epsilon_ls": self.args.label_smoothing_factor}
         return super().compute_loss(
             model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
         )
