@@ -299,6 +299,23 @@ def test_sampler_splits_a_batch_to_make_shares_equal():
     assert sorted(i for share in shares for batch in share for i in batch) == [0, 1, 2]
 
 
+@pytest.mark.parametrize("world", [2, 3])
+def test_one_process_accumulating_p_batches_gets_the_batches_of_p_processes(world):
+    """`accumulation` splits batches as P ranks would, so that one process accumulating P batches a step and P
+    processes take the same optimizer steps (the distributed tests compare the two runs' losses and weights)."""
+    for pairs in (23, 24, 25):  # a batch count that P divides, and ones it does not
+        source, target = _lengths()
+        source, target = source[:pairs], target[:pairs]
+        one = list(TokenBudgetBatchSampler(source, target, 100, seed=5, accumulation=world))
+        ranks = [
+            list(TokenBudgetBatchSampler(source, target, 100, seed=5, num_replicas=world, rank=r))
+            for r in range(world)
+        ]
+        assert len(one) % world == 0
+        steps = [[batch for share in ranks for batch in [share[step]]] for step in range(len(ranks[0]))]
+        assert [one[world * step : world * (step + 1)] for step in range(len(steps))] == steps
+
+
 def test_sampler_drops_remainder_only_when_no_batch_can_split():
     source = target = np.array([10, 10, 10])
     samplers = [TokenBudgetBatchSampler(source, target, 10, num_replicas=2, rank=rank) for rank in range(2)]

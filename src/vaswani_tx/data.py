@@ -342,7 +342,10 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
     Distributed: every rank builds the same global list and takes ``batches[rank::num_replicas]``. To
     give every rank the same number of batches (DDP hangs otherwise) the largest batches are split in
     two until the count divides evenly; splitting never adds tokens and keeps every pair exactly once.
-    Only if every batch is a single pair is the remainder dropped (counted in ``num_dropped``).
+    Only if every batch is a single pair is the remainder dropped (counted in ``num_dropped``). With
+    ``accumulation`` (the optimizer step's gradient-accumulation batches) the count is made to divide by
+    ``num_replicas * accumulation``, so that P processes and one process accumulating P batches split alike
+    and take the same optimizer steps.
 
     Pairs longer than the budget alone are dropped and counted in ``num_oversized`` (module docstring).
 
@@ -363,7 +366,10 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
         num_replicas: int = 1,
         rank: int = 0,
         pad_to_multiple_of: int | None = None,
+        accumulation: int = 1,
     ) -> None:
+        if accumulation < 1:
+            raise ValueError(f"accumulation must be >= 1, got {accumulation}")
         if not isinstance(max_tokens, (int, np.integer)) or max_tokens <= 0:
             raise UserInputError(f"max_tokens must be a positive number of tokens per batch, got {max_tokens!r}")
         if num_replicas < 1 or not 0 <= rank < num_replicas:
@@ -384,6 +390,7 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
         self.shuffle, self.seed = shuffle, seed
         self.num_replicas, self.rank = num_replicas, rank
         self.pad_to_multiple_of = pad_to_multiple_of
+        self.accumulation = accumulation
 
         oversized = (source > self.max_tokens) | (target > self.max_tokens)
         self.oversized_indices = np.flatnonzero(oversized)
@@ -450,7 +457,7 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
 
     def _equal_shares(self, batches: list[list[int]]) -> list[list[int]]:
         """Split the largest batches in two until every rank can get the same number."""
-        short = -len(batches) % self.num_replicas
+        short = -len(batches) % (self.num_replicas * self.accumulation)
         largest = [(-len(batch), i) for i, batch in enumerate(batches) if len(batch) > 1]
         heapq.heapify(largest)
         while short and largest:
@@ -463,7 +470,7 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
                     heapq.heappush(largest, (-len(batches[j]), j))
             short -= 1
         if short:  # every batch is one pair: drop the remainder (the longest pairs, packed last)
-            self.num_dropped = len(batches) % self.num_replicas
+            self.num_dropped = len(batches) % self.num_replicas  # equal shares are what DDP needs
             batches = batches[: len(batches) - self.num_dropped]
         return batches
 
