@@ -408,7 +408,10 @@ def plot_curves(log_history: Sequence[dict[str, Any]], path: str | os.PathLike) 
     figure = Figure(figsize=(5.5 * panels, 4))
     axes = list(figure.subplots(1, panels)) if panels > 1 else [figure.subplots(1, 1)]
     loss_axis = axes.pop(0)
-    for key, label in (("loss", "training loss (label-smoothed)"), ("eval_loss", "dev loss (label-smoothed)")):
+    # With generation (BLEU logged) Seq2SeqTrainer's dev loss is the model's plain cross-entropy; without, the
+    # Trainer's loss, smoothed as in training.
+    dev_loss = "dev loss (cross-entropy)" if bleu else "dev loss (label-smoothed)"
+    for key, label in (("loss", "training loss (label-smoothed)"), ("eval_loss", dev_loss)):
         steps, values = series(key)
         if steps:
             loss_axis.plot(steps, values, marker="o" if key == "eval_loss" else None, label=label)
