@@ -149,6 +149,14 @@ def _paper_lr_lambda(updates_done: int, *, d_model: int, warmup_steps: int) -> f
 # ---- Section 5.4: label smoothing ----
 
 
+def check_smoothing(epsilon: float, name: str = "label smoothing epsilon") -> float:
+    """`epsilon` if it is a label smoothing value (Section 5.4's epsilon_ls, in [0, 1)); else a UserInputError naming
+    it as `name`."""
+    if not 0.0 <= epsilon < 1.0:
+        raise UserInputError(f"{name} must be in [0, 1), got {epsilon}")
+    return epsilon
+
+
 def label_smoothed_loss(
     logits: torch.Tensor,
     labels: torch.Tensor,
@@ -166,8 +174,7 @@ def label_smoothed_loss(
 
     logits: (B, T, V); labels: (B, T). Computed in float32 whatever the logits' dtype.
     """
-    if not 0.0 <= epsilon < 1.0:
-        raise UserInputError(f"label smoothing epsilon must be in [0, 1), got {epsilon}")
+    check_smoothing(epsilon)
     keep = labels.ne(ignore_index)  # (B, T)
     # Only labelled rows: the softmax over V at padded positions would be computed only to be thrown away.
     log_probs = torch.log_softmax(logits[keep].float(), dim=-1)  # (N, V)
@@ -184,9 +191,7 @@ class LabelSmoothedCrossEntropy:
     """``compute_loss_func`` for the Trainer: :func:`label_smoothed_loss` on the model's logits."""
 
     def __init__(self, epsilon: float) -> None:
-        if not 0.0 <= epsilon < 1.0:
-            raise UserInputError(f"label smoothing epsilon must be in [0, 1), got {epsilon}")
-        self.epsilon = epsilon
+        self.epsilon = check_smoothing(epsilon)
 
     def __call__(self, outputs, labels: torch.Tensor, num_items_in_batch=None) -> torch.Tensor:
         logits = outputs["logits"] if isinstance(outputs, dict) else outputs[0]
@@ -216,8 +221,8 @@ class ReturnFreedMemory(TrainerCallback):
     first 400 steps and still growing (a long lever run reached 4.8 GB); trimmed every 10 steps it stays at
     2.0-2.4 GB from step 100 on (every 50: 2.5-2.8 GB and rising), 1.7-2.8 GB over 1,450 steps of a full run, in
     the same time within the runs' noise (279 against 272-276 s for 400 steps; a call takes about 50 ms). Only
-    free memory is returned: no effect on the results. (It does not stop a long run's steps from slowing, which
-    has another cause: docs/training.md, "Memory".)"""
+    free memory is returned: no effect on the results. (A long run's steps slowing down had another cause, the
+    number of matrix shapes under bf16: docs/training.md, "Steps that slow down".)"""
 
     def __init__(self, every: int = 10):
         self.every = every
@@ -274,8 +279,7 @@ class VaswaniTrainer(TokenBudgetSeq2SeqTrainer):
         if warmup < 1 or warmup != int(warmup):
             raise UserInputError(f"warmup_steps must be a whole number of steps >= 1 (the paper's 4000), got {warmup}")
         epsilon = training_args.label_smoothing_factor
-        if not 0.0 <= epsilon < 1.0:
-            raise UserInputError(f"label_smoothing_factor must be in [0, 1), got {epsilon}")
+        check_smoothing(epsilon, "label_smoothing_factor")
         model = kwargs.get("model", args[0] if args else None)
         # A model whose forward smooths its own loss (ours) computes it from the logits of labelled positions only,
         # and keeps the labels, so it also skips the targets' padding; any other model gets the loss on its logits.
