@@ -898,10 +898,8 @@ def beam_search(model, input_ids, logits_processor, stopping_criteria, generatio
     finished_sequences, finished_beam_indices = sequences, beam_indices  # a source's final rows, by original id
     active = torch.arange(batch_size, device=device)  # the bookkeeping's sources still decoded
     active_rows = None  # their rows, source-major (None: all)
-    first = True
     while True:
-        logits = first_step(session, tokens, num_beams) if first else session.step(tokens)
-        first = False
+        logits = first_step(session, tokens, num_beams) if cur_len == decoder_prompt_len else session.step(tokens)
         if active_rows is not None:  # a finished source's rows keep their last logits: it cannot change any more
             logits = scores.index_copy_(0, active_rows, logits)
         scores = logits
