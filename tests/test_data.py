@@ -312,7 +312,7 @@ def test_one_process_accumulating_p_batches_gets_the_batches_of_p_processes(worl
             for r in range(world)
         ]
         assert len(one) % world == 0
-        steps = [[batch for share in ranks for batch in [share[step]]] for step in range(len(ranks[0]))]
+        steps = [[share[step] for share in ranks] for step in range(len(ranks[0]))]
         assert [one[world * step : world * (step + 1)] for step in range(len(steps))] == steps
 
 

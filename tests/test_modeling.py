@@ -231,6 +231,22 @@ def test_rows_rounded_up_under_cpu_bf16_add_padding_positions_and_change_nothing
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
+def test_eager_and_sdpa_attention_train_the_same_function():
+    """`attn_implementation: auto` trains with Equation 1 written out on the CPU: the loss and every gradient are
+    SDPA's on a padded batch (padding in sources and targets, the decoder's causal mask)."""
+    ids, mask, labels = padded_training_batch()
+    results = {}
+    for implementation in ("sdpa", "eager"):
+        model = tiny_model(attn_implementation=implementation)
+        loss = model(input_ids=ids, attention_mask=mask, labels=labels, epsilon_ls=0.1).loss
+        loss.backward()
+        results[implementation] = loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}
+    (sdpa_loss, sdpa_grads), (eager_loss, eager_grads) = results["sdpa"], results["eager"]
+    assert eager_loss == pytest.approx(sdpa_loss, rel=1e-6)
+    for name, grad in sdpa_grads.items():
+        torch.testing.assert_close(eager_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
 def test_skipping_padding_follows_the_decoder_mask_and_leaves_decoding_alone():
     skip, full = tiny_model(), tiny_model(skip_padding=False)
     ids, mask = batch()
