@@ -65,8 +65,12 @@ def write_slots(slots_keys, slots_values, key, value) -> tuple[torch.Tensor, tor
     """Write the new positions' keys (B, h, T, d) into the last T slots of position-major prefix views
     (P + T, B, h, d), in place, and return the whole prefix as the attention reads it, (B, h, P + T, d)."""
     new = key.shape[2]
-    slots_keys[-new:].copy_(key.permute(2, 0, 1, 3))
-    slots_values[-new:].copy_(value.permute(2, 0, 1, 3))
+    # index_copy_, not a copy into the slice: compiled with a symbolic prefix length, Inductor turned the slice's
+    # copy into a kernel that reads and writes every slot (the whole cache, every step); the index's scatter
+    # touches the new slots only.
+    positions = torch.arange(slots_keys.shape[0] - new, slots_keys.shape[0], device=slots_keys.device)
+    slots_keys.index_copy_(0, positions, key.permute(2, 0, 1, 3))
+    slots_values.index_copy_(0, positions, value.permute(2, 0, 1, 3))
     return slots_keys.permute(1, 2, 0, 3), slots_values.permute(1, 2, 0, 3)
 
 
