@@ -275,6 +275,28 @@ def test_the_output_is_an_ordinary_tensor_outside_inference_mode():
     output[:, 0] = 0  # in place, as callers do with generate()'s output
 
 
+# whole blocks of 64 a beam; a partial last block; too few scores for blocks (torch.topk over the sums)
+@pytest.mark.parametrize("width", [1024, 2000 + 37, 500])
+def test_the_block_top_k_of_beams_plus_their_scores_gives_transformers_sums_at_its_indices(width):
+    """Beam search's top-k over a source's beams x V log-probabilities plus each beam's score: the values of
+    transformers' whole-tensor sum at the same indices, without writing the sum."""
+    g = torch.Generator().manual_seed(width)
+    beams = 6
+    log_probs = torch.randn(4, beams, width, generator=g).log_softmax(-1)
+    beam_scores = -3 * torch.rand(4, beams, generator=g)
+    log_probs[1, :, :-3] = -math.inf  # every beam all but masked: the best sums in the partial last block
+    log_probs[2, 0, 100:110] = log_probs[2, 0].max() + 1  # exact ties at the top of one beam
+    beam_scores[3, 2:] = -1e9  # beams that cannot go on (the first step's)
+    summed = (log_probs + beam_scores[:, :, None]).view(4, -1)  # transformers' accumulated log-probabilities
+    for k in (2, 12, 40):
+        values, indices = fast_decoding.largest(log_probs, k, beam_scores)
+        expected_values, expected_indices = torch.topk(summed, k)
+        assert torch.equal(values, expected_values)
+        assert torch.equal(summed.gather(1, indices), values)  # bit for bit the sums transformers computes
+        assert torch.equal(indices[[0, 3]], expected_indices[[0, 3]])  # untied sources: the same indices
+        assert all(len(set(row.tolist())) == k for row in indices)
+
+
 @pytest.mark.parametrize("width", [4096, 6 * 1000 + 37])  # whole blocks of 64; a partial last block
 def test_the_block_top_k_gives_torch_topks_values_at_its_indices(width):
     g = torch.Generator().manual_seed(width)

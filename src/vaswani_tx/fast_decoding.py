@@ -107,26 +107,28 @@ def select_written_rows(
     buffers: list, rows: torch.Tensor, row_dim: int, position_dim: int, written: list[int], spare: torch.Tensor | None
 ) -> torch.Tensor | None:
     """Keep (and reorder to) `rows` along `row_dim` of each layer's buffer, copying its `written[layer]` positions
-    along `position_dim` only. The same number of rows (beams) goes into the spare buffer, which then takes the
-    layer's place (one copy, no allocation); fewer rows (finished sentences) into a new buffer. Returns the spare."""
+    along `position_dim` only, into the spare buffer, which then takes the layer's place while the layer's old
+    buffer becomes the spare (one copy, no allocation). Fewer rows (finished sentences) go into the first elements
+    of the spare: a fresh tensor that large would cost page faults at every selection (see FRESH_BYTES), 3x the
+    copy itself on Multi30k val. Returns the spare."""
     for layer, buffer in enumerate(buffers):
         if buffer is None:
             continue
-        if rows.numel() == buffer.shape[row_dim]:
-            if spare is None or spare.shape != buffer.shape:
-                spare = torch.empty_like(buffer)
-            target = spare
-        else:
-            shape = list(buffer.shape)
-            shape[row_dim] = rows.numel()
-            target = buffer.new_empty(shape)
+        shape = list(buffer.shape)
+        shape[row_dim] = rows.numel()
+        target = _within(spare, shape, buffer)
         end = written[layer]
         torch.index_select(buffer.narrow(position_dim, 0, end), row_dim, rows, out=target.narrow(position_dim, 0, end))
-        if target is spare:
-            buffers[layer], spare = spare, buffer
-        else:
-            buffers[layer] = target
+        buffers[layer], spare = target, buffer
     return spare
+
+
+def _within(spare: torch.Tensor | None, shape: list[int], like: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor of `shape` in the first elements of `spare` (contiguous) where it has room, else a new one."""
+    size = math.prod(shape)
+    if spare is None or spare.numel() < size or spare.dtype != like.dtype or spare.device != like.device:
+        return like.new_empty(shape)
+    return spare.view(-1)[:size].view(shape)
 
 
 def _grown(buffer: torch.Tensor | None, new: torch.Tensor, written: int) -> torch.Tensor:
@@ -144,6 +146,7 @@ class SourceKeysValues:
 
     def __init__(self, num_layers: int):
         self.layers = [_Keys(None, None) for _ in range(num_layers)]
+        self.spare: torch.Tensor | None = None  # see `select_written_rows`
 
     def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs):
         layer = self.layers[layer_idx]
@@ -153,9 +156,12 @@ class SourceKeysValues:
         return layer.keys, layer.values
 
     def select_rows(self, rows: torch.Tensor) -> None:
-        for layer in self.layers:
-            if layer.keys is not None:
-                layer.keys, layer.values = layer.keys.index_select(0, rows), layer.values.index_select(0, rows)
+        for name in ("keys", "values"):
+            buffers = [getattr(layer, name) for layer in self.layers]
+            written = [0 if buffer is None else buffer.shape[2] for buffer in buffers]
+            self.spare = select_written_rows(buffers, rows, 0, 2, written, self.spare)
+            for layer, buffer in zip(self.layers, buffers):
+                setattr(layer, name, buffer)
 
 
 class DecodingCache:
@@ -792,39 +798,63 @@ def greedy_search(model, input_ids, logits_processor, stopping_criteria, generat
 # --- beam search ------------------------------------------------------------------------------------------------------
 
 
-# Below this many scores a row, torch.topk is as fast (block maxima gain from tens of thousands on: 2.5x at 6 x 8,000).
+# Below this many scores a source, torch.topk is as fast (block maxima gain from tens of thousands on: 2.5x at
+# 6 x 8,000).
 BLOCK_TOP_K_MIN = 4096
 BLOCK = 64
 
 
-def largest(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """`torch.topk(scores, k)` over the last dimension of (B, N) scores, the same values at the same indices (up to the
-    order of exact ties, which torch.topk leaves unspecified too), reading each row once more instead of selecting
-    over all of it: the k largest scores lie in the k blocks of 64 with the largest maxima (a block outside them has
-    k larger scores in those blocks), so only those blocks' 64k scores are searched."""
-    rows, width = scores.shape
+def largest(scores: torch.Tensor, k: int, shift: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`torch.topk(scores + shift[..., None], k)` over each source's m rows of V scores together, (B, m, V) scores
+    and (B, m) shifts (beam search: the log-probabilities of a source's beams and the beams' scores; a (B, N) tensor
+    is one row a source, unshifted): the same values at the same indices into m x V (up to the order of exact ties,
+    which torch.topk leaves unspecified too), without writing the sums or selecting over all of them.
+
+    The k largest sums lie in the k blocks of 64 columns of a row with the largest maxima (a block outside them
+    has k larger sums in those blocks), and rounding is monotone, so a block's largest sum is its maximum plus the
+    shift: only the chosen blocks' 64k sums (and the columns of a partial last block) are added and searched. That
+    saves transformers' pass writing all m x V sums (`log_probs + beam_scores`) as well as the full top-k."""
+    if scores.dim() == 2:
+        scores = scores[:, None]
+    sources, m, width = scores.shape
     blocks = width // BLOCK
-    if width < BLOCK_TOP_K_MIN or blocks < k:
-        return torch.topk(scores, k)
-    maxima = scores[:, : blocks * BLOCK].view(rows, blocks, BLOCK).amax(-1)
-    chosen = torch.topk(maxima, k).indices  # (B, k)
-    candidates = (chosen[:, :, None] * BLOCK + torch.arange(BLOCK, device=scores.device)).view(rows, -1)
-    if blocks * BLOCK < width:  # the last, partial block's columns are candidates as they are
-        tail = torch.arange(blocks * BLOCK, width, device=scores.device).expand(rows, -1)
-        candidates = torch.cat([candidates, tail], dim=1)
-    values, picked = torch.topk(scores.gather(1, candidates), k)
+    if m * width < BLOCK_TOP_K_MIN or m * blocks < k:
+        flat = scores if shift is None else scores + shift[:, :, None]  # what transformers adds, then its top-k
+        return torch.topk(flat.reshape(sources, m * width), k)
+    maxima = scores[:, :, : blocks * BLOCK].reshape(sources, m, blocks, BLOCK).amax(-1)
+    if shift is not None:
+        maxima += shift[:, :, None]
+    chosen = torch.topk(maxima.view(sources, m * blocks), k).indices  # (B, k) of the m x blocks
+    starts = chosen // blocks * width + chosen % blocks * BLOCK  # each block's first column in m x V
+    candidates = (starts[:, :, None] + torch.arange(BLOCK, device=scores.device)).view(sources, -1)
+    if blocks * BLOCK < width:  # the partial last block of each row: candidates as they are
+        columns = torch.arange(blocks * BLOCK, width, device=scores.device)
+        tail = columns + width * torch.arange(m, device=scores.device)[:, None]
+        candidates = torch.cat([candidates, tail.view(1, -1).expand(sources, -1)], dim=1)
+    values = scores.view(sources, m * width).gather(1, candidates)
+    if shift is not None:
+        values += shift.gather(1, candidates // width)  # the same float32 sums as transformers' whole-tensor add
+    values, picked = torch.topk(values, k)
     return values, candidates.gather(1, picked)
 
 
 def top_k_continuations(
-    model, accumulated_log_probs, running_sequences, running_beam_indices, cur_len, decoder_prompt_len, beams_to_keep
+    model,
+    log_probs,
+    running_beam_scores,
+    running_sequences,
+    running_beam_indices,
+    cur_len,
+    decoder_prompt_len,
+    beams_to_keep,
 ):
     """transformers' `_get_top_k_continuations` without sampling, its top-k through `largest`: the K best
-    continuations of each source's beams (accumulated log-probabilities (B, beams x V)), their sequences with the new
-    token written at `cur_len`, and their beam indices with this step's (batch-wide) beam row."""
+    continuations of each source's beams (log-probabilities (B, beams, V) plus the beams' running scores, which
+    `largest` adds where it looks only), their sequences with the new token written at `cur_len`, and their beam
+    indices with this step's (batch-wide) beam row."""
     batch_size, num_beams = running_sequences.shape[:2]
-    topk_log_probs, topk_indices = largest(accumulated_log_probs, beams_to_keep)
-    vocab_size = accumulated_log_probs.shape[-1] // num_beams
+    topk_log_probs, topk_indices = largest(log_probs, beams_to_keep, running_beam_scores)
+    vocab_size = log_probs.shape[-1]
     topk_current_beam_indices = topk_indices // vocab_size
     topk_running_beam_indices = model._gather_beams(running_beam_indices, topk_current_beam_indices)
     topk_running_sequences = model._gather_beams(running_sequences, topk_current_beam_indices)
@@ -903,21 +933,29 @@ def beam_search(model, input_ids, logits_processor, stopping_criteria, generatio
         if active_rows is not None:  # a finished source's rows keep their last logits: it cannot change any more
             logits = scores.index_copy_(0, active_rows, logits)
         scores = logits
-        # Into one buffer for the call: a fresh (rows, V) tensor each step costs page faults (see FRESH_BYTES).
-        if (
-            log_probs_buffer is None
-            or log_probs_buffer.shape[0] < logits.shape[0]
-            or log_probs_buffer.shape[1:] != logits.shape[1:]
-            or log_probs_buffer.dtype != logits.dtype
-        ):
-            log_probs_buffer = torch.empty_like(logits)
-        log_probs = torch.ops.aten._log_softmax.out(logits, -1, False, out=log_probs_buffer[: logits.shape[0]])
+        if narrowing:  # the logits are not needed after this step: the log-softmax overwrites them
+            log_probs = torch.ops.aten._log_softmax.out(logits, -1, False, out=logits)
+        else:  # a finished source's rows keep their logits (above): into one buffer for the call instead (a fresh
+            # (rows, V) tensor each step costs page faults, see FRESH_BYTES)
+            if (
+                log_probs_buffer is None
+                or log_probs_buffer.shape[0] < logits.shape[0]
+                or log_probs_buffer.shape[1:] != logits.shape[1:]
+                or log_probs_buffer.dtype != logits.dtype
+            ):
+                log_probs_buffer = torch.empty_like(logits)
+            log_probs = torch.ops.aten._log_softmax.out(logits, -1, False, out=log_probs_buffer[: logits.shape[0]])
         log_probs = process(processors, flat_running_sequences, log_probs, columns)
-        log_probs = log_probs.view(batch_size, num_beams, -1).add_(running_beam_scores[:, :, None])
-        log_probs = log_probs.view(batch_size, -1)  # (B, k * V)
-
+        # (B, k, V): `largest` adds the beams' scores where it looks (transformers adds them to all k x V first)
         topk_log_probs, topk_running_sequences, topk_running_beam_indices = top_k_continuations(
-            model, log_probs, running_sequences, running_beam_indices, cur_len, decoder_prompt_len, beams_to_keep
+            model,
+            log_probs.view(batch_size, num_beams, -1),
+            running_beam_scores,
+            running_sequences,
+            running_beam_indices,
+            cur_len,
+            decoder_prompt_len,
+            beams_to_keep,
         )
         del log_probs
         next_token_hits_stopping_criteria = stop(
