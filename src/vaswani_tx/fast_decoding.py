@@ -825,15 +825,19 @@ def largest(scores: torch.Tensor, k: int, shift: torch.Tensor | None = None) -> 
     if shift is not None:
         maxima += shift[:, :, None]
     chosen = torch.topk(maxima.view(sources, m * blocks), k).indices  # (B, k) of the m x blocks
-    starts = chosen // blocks * width + chosen % blocks * BLOCK  # each block's first column in m x V
+    beam = chosen // blocks
+    starts = beam * width + (chosen - beam * blocks) * BLOCK  # each block's first column in m x V
     candidates = (starts[:, :, None] + torch.arange(BLOCK, device=scores.device)).view(sources, -1)
+    values = scores.view(sources, m * width).gather(1, candidates)
+    if shift is not None:  # the same float32 sums as transformers' whole-tensor add, each block's beam's score
+        values.view(sources, k, BLOCK).add_(shift.gather(1, beam)[:, :, None])
     if blocks * BLOCK < width:  # the partial last block of each row: candidates as they are
         columns = torch.arange(blocks * BLOCK, width, device=scores.device)
-        tail = columns + width * torch.arange(m, device=scores.device)[:, None]
-        candidates = torch.cat([candidates, tail.view(1, -1).expand(sources, -1)], dim=1)
-    values = scores.view(sources, m * width).gather(1, candidates)
-    if shift is not None:
-        values += shift.gather(1, candidates // width)  # the same float32 sums as transformers' whole-tensor add
+        tail = (columns + width * torch.arange(m, device=scores.device)[:, None]).view(1, -1).expand(sources, -1)
+        tail_values = scores.view(sources, m * width)[:, tail[0]]
+        if shift is not None:
+            tail_values += shift.repeat_interleave(width - blocks * BLOCK, dim=1)
+        candidates, values = torch.cat([candidates, tail], dim=1), torch.cat([values, tail_values], dim=1)
     values, picked = torch.topk(values, k)
     return values, candidates.gather(1, picked)
 
@@ -873,8 +877,7 @@ def first_step(session, tokens: torch.Tensor, num_beams: int) -> torch.Tensor:
     if num_beams == 1 or not bool((prefixes == prefixes[:, :1]).all()):
         return session.step(tokens)
     logits = session.step(tokens[::num_beams])
-    every = torch.arange(sources, device=tokens.device)
-    session.select(every, every.repeat_interleave(num_beams))
+    session.reorder(torch.arange(sources, device=tokens.device).repeat_interleave(num_beams))
     return logits.repeat_interleave(num_beams, dim=0)
 
 
