@@ -16,13 +16,15 @@ maxima first), so the output ids are transformers' own. What they save, per step
   rounding); with 1-2 rows packing gains nothing and costs a copy of W (`Projection`), and below 8 rows only a
   share of W is packed, for memory; greedy search at 1-7 rows finds its argmax through an int8 copy of W and
   computes in float32 only the columns that can hold it (`ScreenedArgmax`);
-- the logits: no float32 copy of them, very large ones and the log-probabilities written into buffers kept for
-  the call (a fresh tensor above 32 MiB costs page faults every step), and the processors that would rewrite
-  all of them to mask a few columns (minimum lengths, suppressed tokens) mask those columns in place;
+- the logits: no float32 copy of them, very large ones written into a buffer kept for the call (a fresh tensor
+  above 32 MiB costs page faults every step) and beam search's log-softmax written over them, and the processors
+  that would rewrite all of them to mask a few columns (minimum lengths, suppressed tokens) mask those columns in
+  place;
 - finished sentences leave the decoder's batch (transformers decodes them to the end of the batch's longest),
   and beam search's log-softmax and top-k too where the processors can follow (`sources_can_leave`).
 - beam search's top-k over each source's beams x V scores searches only the 64-score blocks with the k largest
-  maxima (`largest`: the same values at the same indices, 2.5x faster than `torch.topk` at 6 x 8,000).
+  maxima (`largest`: the same values at the same indices, 2.5x faster than `torch.topk` at 6 x 8,000), and adds
+  the beams' scores to those blocks only, not to all k x V log-probabilities.
 The model's own decoder `forward` computes each step: the attention reads its keys and values from the cache it
 is given (`DecodingCache` has the part of transformers' EncoderDecoderCache interface it uses).
 Where the model's folder holds a compiled decoding step (`vaswani-tx compile`, compiled_decoding.py) that fits the
@@ -843,28 +845,21 @@ def largest(scores: torch.Tensor, k: int, shift: torch.Tensor | None = None) -> 
 
 
 def top_k_continuations(
-    model,
-    log_probs,
-    running_beam_scores,
-    running_sequences,
-    running_beam_indices,
-    cur_len,
-    decoder_prompt_len,
-    beams_to_keep,
+    model, log_probs, beam_scores, running_sequences, running_beam_indices, cur_len, prompt_len, k
 ):
-    """transformers' `_get_top_k_continuations` without sampling, its top-k through `largest`: the K best
+    """transformers' `_get_top_k_continuations` without sampling, its top-k through `largest`: the k best
     continuations of each source's beams (log-probabilities (B, beams, V) plus the beams' running scores, which
     `largest` adds where it looks only), their sequences with the new token written at `cur_len`, and their beam
     indices with this step's (batch-wide) beam row."""
     batch_size, num_beams = running_sequences.shape[:2]
-    topk_log_probs, topk_indices = largest(log_probs, beams_to_keep, running_beam_scores)
+    topk_log_probs, topk_indices = largest(log_probs, k, beam_scores)
     vocab_size = log_probs.shape[-1]
     topk_current_beam_indices = topk_indices // vocab_size
     topk_running_beam_indices = model._gather_beams(running_beam_indices, topk_current_beam_indices)
     topk_running_sequences = model._gather_beams(running_sequences, topk_current_beam_indices)
     topk_running_sequences[:, :, cur_len] = topk_indices % vocab_size
     batch_offset = torch.arange(batch_size, device=topk_indices.device).view(-1, 1) * num_beams
-    topk_running_beam_indices[:, :, cur_len - decoder_prompt_len] = topk_current_beam_indices + batch_offset
+    topk_running_beam_indices[:, :, cur_len - prompt_len] = topk_current_beam_indices + batch_offset
     return topk_log_probs, topk_running_sequences, topk_running_beam_indices
 
 
@@ -950,9 +945,10 @@ def beam_search(model, input_ids, logits_processor, stopping_criteria, generatio
             log_probs = torch.ops.aten._log_softmax.out(logits, -1, False, out=log_probs_buffer[: logits.shape[0]])
         log_probs = process(processors, flat_running_sequences, log_probs, columns)
         # (B, k, V): `largest` adds the beams' scores where it looks (transformers adds them to all k x V first)
+        log_probs = log_probs.view(batch_size, num_beams, -1)
         topk_log_probs, topk_running_sequences, topk_running_beam_indices = top_k_continuations(
             model,
-            log_probs.view(batch_size, num_beams, -1),
+            log_probs,
             running_beam_scores,
             running_sequences,
             running_beam_indices,
