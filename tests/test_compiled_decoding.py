@@ -16,7 +16,7 @@ import pytest
 import torch
 from transformers import LogitsProcessorList
 
-from test_fast_decoding import EndsAt, ends, eos_prone_model
+from test_fast_decoding import EndsAt, EndsAtPerSource, ends, eos_prone_model
 from test_modeling import batch
 from vaswani_tx import compiled_decoding
 from vaswani_tx.cli import main
@@ -64,14 +64,17 @@ def eager_twin(folder):
     ],
     ids=["greedy", "beam-paper", "beam-returns-2", "beam-no-early-stop", "greedy-min", "beam-min", "processors"],
 )
-def test_the_compiled_step_gives_the_eager_and_transformers_ids(compiled_folder, settings, steps):
+# EndsAt keeps every source in beam search's bookkeeping; EndsAtPerSource lets finished ones leave it (its
+# log-softmax then overwrites the logits). Either way finished sources leave the compiled step's batch.
+@pytest.mark.parametrize("ending", [EndsAt, EndsAtPerSource])
+def test_the_compiled_step_gives_the_eager_and_transformers_ids(compiled_folder, settings, ending, steps):
     model = VaswaniForConditionalGeneration.from_pretrained(compiled_folder)
     assert model._compiled_step is not None
     eager = eager_twin(compiled_folder)
     for seed in (0, 4):
         ids, mask = batch(seed=seed, lengths=(7, 4, 6, 2))
-        ending = LogitsProcessorList([EndsAt([3, 7, 5, 12])])
-        kwargs = dict(input_ids=ids, attention_mask=mask, logits_processor=ending, **settings)
+        processors = LogitsProcessorList([ending([3, 7, 5, 12])])
+        kwargs = dict(input_ids=ids, attention_mask=mask, logits_processor=processors, **settings)
         compiled = model.generate(**kwargs)
         assert torch.equal(compiled, eager.generate(**kwargs))
         assert torch.equal(compiled, model.generate(fast_decoding=False, **kwargs))
