@@ -841,16 +841,18 @@ def largest(scores: torch.Tensor, k: int, shift: torch.Tensor | None = None) -> 
     beam = chosen // blocks
     starts = beam * width + (chosen - beam * blocks) * BLOCK  # each block's first column in m x V
     candidates = (starts[:, :, None] + torch.arange(BLOCK, device=scores.device)).view(sources, -1)
-    values = scores.view(sources, m * width).gather(1, candidates)
+    flat = scores.view(sources, m * width)
+    values = flat.gather(1, candidates)
     if shift is not None:  # the same float32 sums as transformers' whole-tensor add, each block's beam's score
         values.view(sources, k, BLOCK).add_(shift.gather(1, beam)[:, :, None])
     if blocks * BLOCK < width:  # the partial last block of each row: candidates as they are
         columns = torch.arange(blocks * BLOCK, width, device=scores.device)
-        tail = (columns + width * torch.arange(m, device=scores.device)[:, None]).view(1, -1).expand(sources, -1)
-        tail_values = scores.view(sources, m * width)[:, tail[0]]
+        tail = (columns + width * torch.arange(m, device=scores.device)[:, None]).view(-1)  # (m x its columns)
+        tail_values = flat[:, tail]
         if shift is not None:
             tail_values += shift.repeat_interleave(width - blocks * BLOCK, dim=1)
-        candidates, values = torch.cat([candidates, tail], dim=1), torch.cat([values, tail_values], dim=1)
+        candidates = torch.cat([candidates, tail.expand(sources, -1)], dim=1)
+        values = torch.cat([values, tail_values], dim=1)
     values, picked = torch.topk(values, k)
     return values, candidates.gather(1, picked)
 
