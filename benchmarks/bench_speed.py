@@ -331,6 +331,8 @@ def machine(threads: int) -> dict:
     import torch
     import transformers
 
+    from vaswani_tx.compiled_decoding import gemm_backend
+
     cpu = platform.processor()
     with contextlib.suppress(OSError, StopIteration), open("/proc/cpuinfo") as cpuinfo:
         cpu = next(line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name"))
@@ -343,6 +345,7 @@ def machine(threads: int) -> dict:
         "transformers": transformers.__version__,
         "ctranslate2": ctranslate2.__version__,
         "python": platform.python_version(),
+        "gemm": gemm_backend(),  # whose float32 products the loops chose (oneMKL on Intel CPUs, oneDNN elsewhere)
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
     }
 

@@ -18,7 +18,7 @@ from transformers import LogitsProcessorList
 
 from test_fast_decoding import EndsAt, EndsAtPerSource, ends, eos_prone_model
 from test_modeling import batch
-from vaswani_tx import compiled_decoding
+from vaswani_tx import compiled_decoding, fast_decoding
 from vaswani_tx.cli import main
 from vaswani_tx.compile_step import compile_decoder_step
 from vaswani_tx.compiled_decoding import FOLDER, MANIFEST, PACKAGE
@@ -36,7 +36,9 @@ def compiled_folder(tmp_path_factory):
 
 @pytest.fixture
 def steps(monkeypatch):
-    """How many steps went through the compiled library."""
+    """How many steps went through the compiled library, which here serves calls of any number of rows (where
+    oneDNN is chosen, calls of several rows otherwise decode eagerly on packed weights: `packs_beat_compiled`)."""
+    monkeypatch.setattr(fast_decoding, "packs_beat_compiled", lambda model, rows: False)
     ran = []
     original = compiled_decoding.CompiledStep.__call__
     monkeypatch.setattr(
@@ -135,11 +137,12 @@ def edit_manifest(folder, **changes):
     [
         (lambda f: edit_manifest(f, torch="2.0.0"), "made with torch 2.0.0"),
         (lambda f: edit_manifest(f, cpu_capability="NO AVX"), "made for a CPU with NO AVX"),
+        (lambda f: edit_manifest(f, gemm="elsewhere"), "its products are elsewhere's"),
         (lambda f: eos_prone_model(seed=9).save_pretrained(f), "made for other weights"),
         (lambda f: (f / FOLDER / PACKAGE).write_bytes((f / FOLDER / PACKAGE).read_bytes()[:5000]), "cannot be loaded"),
         (lambda f: (f / FOLDER / MANIFEST).write_text("{"), "manifest cannot be read"),
     ],
-    ids=["other-torch", "other-cpu", "other-weights", "truncated", "corrupt-manifest"],
+    ids=["other-torch", "other-cpu", "other-gemm", "other-weights", "truncated", "corrupt-manifest"],
 )
 def test_an_artifact_that_does_not_fit_is_one_line_and_the_eager_path(
     compiled_folder, tmp_path, caplog, damage, message
@@ -155,6 +158,46 @@ def test_an_artifact_that_does_not_fit_is_one_line_and_the_eager_path(
     ids, mask = batch(seed=1)
     expected = eager_twin(folder).generate(input_ids=ids, attention_mask=mask, num_beams=2)
     assert torch.equal(model.generate(input_ids=ids, attention_mask=mask, num_beams=2), expected)
+
+
+def test_the_other_gemm_librarys_step(tmp_path, monkeypatch, caplog):
+    """The step compiled with the other GEMM library than this machine's choice (oneDNN's products on the model's own
+    weights, or oneMKL's): the manifest says which, it gives the eager and transformers' ids, and a process that
+    chooses the other library decodes eagerly after one line saying so. Where oneDNN is chosen, calls of several
+    rows decode eagerly on packed weights and calls of one row through the step."""
+    if not compiled_decoding.onednn_linear_available():
+        pytest.skip("torch without oneDNN's inner product")
+    here = compiled_decoding.gemm_backend()
+    other = "mkl" if here == "onednn" else "onednn"
+    folder = tmp_path / "model"
+    eos_prone_model(seed=2).save_pretrained(folder)
+    monkeypatch.setenv(compiled_decoding.GEMM_VARIABLE, other)
+    compile_decoder_step(VaswaniForConditionalGeneration.from_pretrained(folder), folder)
+    assert json.loads((folder / FOLDER / MANIFEST).read_text())["gemm"] == other
+    model = VaswaniForConditionalGeneration.from_pretrained(folder)
+    eager = eager_twin(folder)
+    ran = []
+    original = compiled_decoding.CompiledStep.__call__
+    monkeypatch.setattr(
+        compiled_decoding.CompiledStep, "__call__", lambda self, *a: ran.append(1) or original(self, *a)
+    )
+    for rows, beams in ((1, 1), (1, 3), (4, 1), (4, 2)):
+        ids, mask = batch(seed=rows + beams, lengths=(7, 4, 6, 2)[:rows])
+        kwargs = dict(input_ids=ids, attention_mask=mask, num_beams=beams, max_new_tokens=12)
+        ran.clear()
+        out = model.generate(**kwargs)
+        assert torch.equal(out, eager.generate(**kwargs)) and torch.equal(
+            out, model.generate(fast_decoding=False, **kwargs)
+        )
+        assert bool(ran) == (other == "mkl" or rows * beams == 1)
+    monkeypatch.setenv(compiled_decoding.GEMM_VARIABLE, here)
+    with caplog.at_level(logging.WARNING, logger="vaswani_tx.compiled_decoding"):
+        assert VaswaniForConditionalGeneration.from_pretrained(folder)._compiled_step is None
+    notes = [r.getMessage() for r in caplog.records if r.name == "vaswani_tx.compiled_decoding"]
+    names = compiled_decoding.GEMM_NAMES
+    assert (
+        len(notes) == 1 and f"its products are {names[other]}'s, and {names[here]}'s are the ones chosen" in notes[0]
+    )
 
 
 def test_compile_command_refuses_what_it_cannot_compile(tmp_path, capsys):

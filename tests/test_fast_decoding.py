@@ -13,7 +13,8 @@ import torch
 from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 
 from test_modeling import EOS, batch, tiny_model  # the model tests' tiny odd-sized model and padded batch
-from vaswani_tx import fast_decoding
+from vaswani_tx import compiled_decoding, fast_decoding
+from vaswani_tx.errors import UserInputError
 from vaswani_tx.generation_vaswani import fairseq_generation_config
 from vaswani_tx.quantization import quantize_int8
 
@@ -21,6 +22,15 @@ from vaswani_tx.quantization import quantize_int8
 def both(model, **kwargs):
     """(the default path's output, transformers' loops' output) for the same call."""
     return model.generate(**kwargs), model.generate(fast_decoding=False, **kwargs)
+
+
+@pytest.fixture(params=["mkl", "onednn"])
+def gemm(request, monkeypatch):
+    """Each GEMM library the loops can choose (`gemm_backend`): oneMKL's products, or oneDNN's on packed weights."""
+    if request.param == "onednn" and not compiled_decoding.onednn_linear_available():
+        pytest.skip("torch without oneDNN's inner product")
+    monkeypatch.setenv(compiled_decoding.GEMM_VARIABLE, request.param)
+    return request.param
 
 
 @pytest.fixture
@@ -82,7 +92,7 @@ def ends(output: torch.Tensor) -> list[int]:
     ],
     ids=["greedy", "beam-paper", "beam-returns-2", "beam-no-early-stop", "greedy-min", "beam-min", "processors"],
 )
-def test_the_default_loops_give_transformers_ids(settings, loops):
+def test_the_default_loops_give_transformers_ids(settings, loops, gemm):
     for seed in (0, 4):
         model = eos_prone_model(seed)
         ids, mask = batch(seed=seed, lengths=(7, 4, 6, 2))
@@ -137,7 +147,7 @@ def test_beam_search_decodes_its_first_step_once_per_source(monkeypatch, loops):
     assert loops == ["beam_search"] * 2
 
 
-def test_the_packed_projection_follows_the_weights():
+def test_the_packed_projection_follows_the_weights(gemm):
     """The pre-softmax matrix is packed once per model and number of rows; a change to the weights (an optimizer
     step, a loaded state dict) packs again rather than decode with the old ones."""
     model = eos_prone_model()
@@ -157,9 +167,10 @@ def test_the_packed_projection_follows_the_weights():
 
 
 @pytest.mark.parametrize("rows", [3, 5, 8, 12])
-def test_below_pack_all_rows_a_share_of_the_projection_is_packed(rows):
+def test_below_pack_all_rows_a_share_of_the_projection_is_packed(rows, monkeypatch):
     """Below PACK_ALL_ROWS rows the packed copy holds only W's first PACK_FEW_ROWS_SHARE (less memory for a smaller
     gain); the logits are the whole product either way, in the caller's buffer where one is given."""
+    monkeypatch.setenv(compiled_decoding.GEMM_VARIABLE, "mkl")
     model = eos_prone_model()
     if not fast_decoding.can_pack(model.lm_head.weight):
         pytest.skip("torch without oneMKL: the projection is not packed")
@@ -176,6 +187,76 @@ def test_below_pack_all_rows_a_share_of_the_projection_is_packed(rows):
     if packed.split < vocabulary:
         assert packed(hidden, out=out).data_ptr() == out.data_ptr()
         torch.testing.assert_close(out, expected)
+
+
+def test_onednn_packs_the_whole_projection_once_for_any_number_of_rows(monkeypatch):
+    """oneDNN's inner product takes any number of rows on one packing of all of W (the rest of W would otherwise
+    take oneMKL's product, the slow one where oneDNN is chosen): logits within float32 rounding of the layer's."""
+    if not compiled_decoding.onednn_linear_available():
+        pytest.skip("torch without oneDNN's inner product")
+    monkeypatch.setenv(compiled_decoding.GEMM_VARIABLE, "onednn")
+    model = eos_prone_model()
+    packed = fast_decoding.PackedProjection.of(model, 4)
+    assert packed.split == model.lm_head.weight.shape[0] and packed.whole
+    for rows in (1, 2, 3, 4, 9):
+        assert fast_decoding.PackedProjection.of(model, rows) is packed
+        hidden = torch.randn(rows, model.config.d_model)
+        torch.testing.assert_close(
+            fast_decoding.Projection(model.lm_head.weight, packed)(hidden), model.lm_head(hidden)
+        )
+    monkeypatch.setenv(compiled_decoding.GEMM_VARIABLE, "mkl")  # another choice packs for oneMKL again
+    assert fast_decoding.PackedProjection.of(model, 4).backend == "mkl"
+
+
+def test_onednn_runs_the_decoders_linear_layers_on_packed_weights_from_two_rows(monkeypatch):
+    """`PackedLinears` replaces the product of each float32 `nn.Linear` of the decoder for a step of 2 rows or more,
+    and only for that step: the same outputs to float32 rounding, the layers' own forward back afterwards, a new
+    packing after the weights change, none for an int8 model (its layers are quantized) or where oneMKL is chosen."""
+    if not compiled_decoding.onednn_linear_available():
+        pytest.skip("torch without oneDNN's inner product")
+    monkeypatch.setenv(compiled_decoding.GEMM_VARIABLE, "onednn")
+    model = eos_prone_model()
+    linears = fast_decoding.PackedLinears.of(model)
+    layers = [module for module in model.get_decoder().modules() if type(module) is torch.nn.Linear]
+    assert [module for module, _ in linears.layers] == layers and fast_decoding.PackedLinears.of(model) is linears
+    layer = model.get_decoder().layers[0].feed_forward.w_1
+    for rows in (1, 2, 5):
+        hidden = torch.randn(rows, 1, layer.in_features)
+        expected = torch.nn.functional.linear(hidden, layer.weight, layer.bias)
+        with linears.installed(rows):
+            assert ("forward" in vars(layer)) == (rows >= fast_decoding.PackedLinears.min_rows())
+            torch.testing.assert_close(layer(hidden), expected)
+        assert "forward" not in vars(layer)
+    with pytest.raises(RuntimeError, match="inside"), linears.installed(4):
+        raise RuntimeError("inside")
+    assert all("forward" not in vars(module) for module in layers)  # restored after an error too
+    with torch.no_grad():
+        layer.weight.add_(1.0)
+    assert fast_decoding.PackedLinears.of(model) is not linears
+    assert fast_decoding.PackedLinears.of(quantize_int8(eos_prone_model())) is None
+    monkeypatch.setenv(compiled_decoding.GEMM_VARIABLE, "mkl")
+    assert fast_decoding.PackedLinears.of(model) is None
+
+
+def test_the_gemm_library_follows_the_cpu_vendor(monkeypatch):
+    """auto: oneMKL on Intel CPUs and where the vendor is unknown, oneDNN on other x86 CPUs (CTranslate2's rule);
+    the variable chooses; anything else is refused naming it."""
+    monkeypatch.delenv(compiled_decoding.GEMM_VARIABLE, raising=False)
+    monkeypatch.setattr(compiled_decoding.platform, "machine", lambda: "x86_64")
+    onednn = "onednn" if compiled_decoding.onednn_linear_available() else "mkl"
+    for vendor, expected in (("GenuineIntel", "mkl"), ("AuthenticAMD", onednn), ("HygonGenuine", onednn), ("", "mkl")):
+        monkeypatch.setattr(compiled_decoding, "cpu_vendor", lambda vendor=vendor: vendor)
+        assert compiled_decoding.gemm_backend() == expected
+    monkeypatch.setattr(compiled_decoding.platform, "machine", lambda: "aarch64")
+    assert compiled_decoding.gemm_backend() == "mkl"  # ARM: torch's own product (its oneDNN/ACL already)
+    monkeypatch.setenv(compiled_decoding.GEMM_VARIABLE, "onednn")
+    assert compiled_decoding.gemm_backend() == onednn
+    monkeypatch.setenv(compiled_decoding.GEMM_VARIABLE, "mkl")
+    monkeypatch.setattr(compiled_decoding, "cpu_vendor", lambda: "AuthenticAMD")
+    assert compiled_decoding.gemm_backend() == "mkl"
+    monkeypatch.setenv(compiled_decoding.GEMM_VARIABLE, "fast")
+    with pytest.raises(UserInputError, match="VASWANI_TX_GEMM='fast'"):
+        compiled_decoding.gemm_backend()
 
 
 def test_int8_and_bfloat16_models_take_the_default_loops_unpacked(loops):

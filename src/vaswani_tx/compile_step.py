@@ -8,6 +8,7 @@ stays in the package rather than travelling with saved weights: only loading nee
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from pathlib import Path
@@ -23,6 +24,7 @@ from .compiled_decoding import (
     PACKAGE,
     TABLE,
     architecture_fingerprint,
+    gemm_backend,
     machine,
     step_tensors,
     weights_fingerprint,
@@ -57,6 +59,33 @@ class DecoderStep(nn.Module):
             return_dict=True,
         ).last_hidden_state
         return hidden[:, 0]
+
+
+@contextlib.contextmanager
+def onednn_products(model: nn.Module):
+    """The decoder's `nn.Linear` layers computed by oneDNN's inner product on their own weights while the step is
+    exported, so that the compiled step calls oneDNN rather than oneMKL (`gemm_backend`). The step's usual single
+    row is a matrix-vector product bound by reading W: oneDNN reads the weights as they are as fast as packed
+    ones there, and spreads the product over every thread, where oneMKL's runs on one (the decoder's 48
+    products at one row on an AMD EPYC: 9.6 against 10.2 ms on one thread, 5.9 against 9.7 on two)."""
+    layers = [module for module in model.get_decoder().modules() if type(module) is nn.Linear]
+    for module in layers:
+        module.forward = _OneDNNForward(module)
+    try:
+        yield
+    finally:
+        for module in layers:
+            del module.forward
+
+
+class _OneDNNForward:
+    def __init__(self, module: nn.Linear):
+        self.module = module
+
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight, bias = self.module.weight, self.module.bias
+        rows = hidden.reshape(-1, hidden.shape[-1])
+        return torch.ops.mkldnn._linear_pointwise(rows, weight, bias, "none", [], "").view(*hidden.shape[:-1], -1)
 
 
 def _example(model: nn.Module) -> tuple:
@@ -114,7 +143,8 @@ def compile_decoder_step(model: nn.Module, folder: str | os.PathLike) -> Path:
         "source_mask": {0: groups, 1: source},
     }
     step = DecoderStep(model)
-    with torch.no_grad():
+    products = onednn_products(model) if gemm_backend() == "onednn" else contextlib.nullcontext()
+    with torch.no_grad(), products:
         program = export(step, _example(model), dynamic_shapes=dims, strict=False)
     known = step_tensors(model)
     others = [name for name in program.constants if name not in known]

@@ -6,10 +6,11 @@ its residual and LayerNorm), exported with `torch.export` for any number of sour
 source length and prefix length, and compiled by AOTInductor (`torch._inductor.aoti_compile_and_package`)
 into a shared library in the model's folder, `compiled/decoder_step.pt2`, with `compiled/manifest.json`
 saying what it was made for. The pre-softmax projection stays outside it (fast_decoding.py packs it for
-oneMKL, which is faster there than the compiled product).
+oneMKL or oneDNN, which is faster there than the compiled product).
 
 `from_pretrained` of a folder that holds one loads it when the torch version, the CPU's instruction set
-(torch's CPU capability), the architecture and the weights' fingerprint are those it was made for;
+(torch's CPU capability), the GEMM library chosen (`gemm_backend`: oneMKL's products on Intel CPUs, oneDNN's on
+other x86 CPUs), the architecture and the weights' fingerprint are those it was made for;
 otherwise it logs one line naming the difference and the model decodes eagerly, with the same result.
 The library holds no weights: it reads the model's own tensors (AOTInductor's user-managed constants), so
 it costs no memory beyond its code, and it follows the weights if they change in place.
@@ -20,19 +21,23 @@ eagerly. The first step of a sentence computes the encoder-decoder keys and valu
 attention modules (`keys_values`) and keeps them once per source.
 
 Compiling is compile_step.py's (it stays in the package). This file travels with saved weights for
-`trust_remote_code`: torch only.
+`trust_remote_code`: torch and errors.py only.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
+import platform
 import zlib
 from pathlib import Path
 
 import torch
 from torch import nn
+
+from .errors import UserInputError
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +52,51 @@ _VOLATILE_CONFIG = {
     "torch_dtype", "use_cache", "output_attentions", "output_hidden_states", "return_dict", "_attn_implementation",
     "_attn_implementation_autoset", "attn_implementation",
 }  # fmt: skip
+
+
+# --- the products: oneMKL's GEMM on Intel CPUs, oneDNN's on other x86 CPUs -------------------------------------------
+
+# Which library's GEMM the loops' float32 products use where they choose it: "mkl", "onednn", or "auto" (the default).
+GEMM_VARIABLE = "VASWANI_TX_GEMM"
+GEMM_NAMES = {"mkl": "oneMKL", "onednn": "oneDNN"}
+
+
+@functools.cache
+def cpu_vendor() -> str:
+    """The CPU's vendor string as the kernel reports it ("GenuineIntel", "AuthenticAMD", ...), "" where unknown."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return next((name for name in ("GenuineIntel", "AuthenticAMD") if name in platform.processor()), "")
+
+
+def onednn_linear_available() -> bool:
+    return (
+        torch.backends.mkldnn.is_available()
+        and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+    )
+
+
+def gemm_backend() -> str:
+    """Whose GEMM computes the float32 products of a decoding step of several rows: "mkl" (torch's own product, and
+    oneMKL's packed GEMM for the pre-softmax projection) or "onednn" (oneDNN's inner product on weights packed once
+    for it). torch's float32 product is oneMKL's, which on x86 CPUs from other vendors than Intel takes slow code
+    paths at a few rows: on an AMD EPYC (Zen 4, one thread), 4 rows times the base model's 37,000 x 512 projection
+    take 13.8 ms against oneDNN's 4.4, 4 x 512 -> 2,048 215 against 103 us (docs/speed.md). So "auto" is oneMKL on
+    Intel CPUs and oneDNN on other x86 CPUs, the rule CTranslate2 follows; `VASWANI_TX_GEMM=mkl` or `=onednn`
+    chooses (oneDNN costs a packed copy of the decoder's weights and of W)."""
+    choice = os.environ.get(GEMM_VARIABLE, "auto").strip().lower() or "auto"
+    if choice not in ("auto", "mkl", "onednn"):
+        raise UserInputError(f"{GEMM_VARIABLE}={os.environ[GEMM_VARIABLE]!r}: expected auto, mkl or onednn")
+    if choice == "auto":
+        x86 = platform.machine().lower() in ("x86_64", "amd64", "i686", "x86")
+        choice = "onednn" if x86 and cpu_vendor() not in ("GenuineIntel", "") else "mkl"
+    return "onednn" if choice == "onednn" and onednn_linear_available() else "mkl"
 
 
 # --- fingerprints ------------------------------------------------------------------------------------------------
@@ -82,7 +132,7 @@ def step_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def machine() -> dict:
-    return {"torch": torch.__version__, "cpu_capability": cpu_capability()}
+    return {"torch": torch.__version__, "cpu_capability": cpu_capability(), "gemm": gemm_backend()}
 
 
 # --- loading -----------------------------------------------------------------------------------------------------
@@ -146,9 +196,10 @@ def load_compiled_step(model: nn.Module, folder: str | os.PathLike) -> CompiledS
     if not manifest_path.is_file():
         return None
     where = Path(folder) / FOLDER
+    here = machine()  # before reading the manifest: a VASWANI_TX_GEMM that names no library is the user's to fix
     try:
         manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
-        problem = _mismatch(manifest, model)
+        problem = _mismatch(manifest, model, here)
     except (ValueError, KeyError, TypeError, OSError) as error:
         problem = f"its manifest cannot be read ({error})"
     if problem is None:
@@ -166,14 +217,16 @@ def load_compiled_step(model: nn.Module, folder: str | os.PathLike) -> CompiledS
     return None
 
 
-def _mismatch(manifest: dict, model: nn.Module) -> str | None:
+def _mismatch(manifest: dict, model: nn.Module, here: dict) -> str | None:
     if manifest.get("format") != FORMAT:
         return f"it has format {manifest.get('format')}, this version reads {FORMAT}"
-    here = machine()
     if manifest["torch"] != here["torch"]:
         return f"it was made with torch {manifest['torch']}, this is torch {here['torch']}"
     if manifest["cpu_capability"] != here["cpu_capability"]:
         return f"it was made for a CPU with {manifest['cpu_capability']}, this one has {here['cpu_capability']}"
+    if manifest.get("gemm", "mkl") != here["gemm"]:  # artifacts from before the choice existed are oneMKL's
+        made, here = (GEMM_NAMES.get(name, str(name)) for name in (manifest.get("gemm", "mkl"), here["gemm"]))
+        return f"its products are {made}'s, and {here}'s are the ones chosen here (VASWANI_TX_GEMM, or this CPU)"
     if manifest["architecture"] != architecture_fingerprint(model.config):
         return "it was made for a model of another configuration"
     parameter = next(model.parameters())

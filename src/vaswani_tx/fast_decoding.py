@@ -16,6 +16,10 @@ maxima first), so the output ids are transformers' own. What they save, per step
   rounding); with 1-2 rows packing gains nothing and costs a copy of W (`Projection`), and below 8 rows only a
   share of W is packed, for memory; greedy search at 1-7 rows finds its argmax through an int8 copy of W and
   computes in float32 only the columns that can hold it (`ScreenedArgmax`);
+- on x86 CPUs other than Intel's, where oneMKL's float32 products take slow code paths at a few rows, the products
+  are oneDNN's instead (`gemm_backend`, CTranslate2's rule): W and the decoder's layers are packed once for oneDNN's
+  inner product (`PackedProjection`, `PackedLinears`), and calls of several rows decode eagerly on them rather
+  than through the compiled step (`packs_beat_compiled`), whose products there are oneDNN's on unpacked weights;
 - the logits: no float32 copy of them, very large ones written into a buffer kept for the call (a fresh tensor
   above 32 MiB costs page faults every step) and beam search's log-softmax written over them, and the processors
   that would rewrite all of them to mask a few columns (minimum lengths, suppressed tokens) mask those columns in
@@ -62,7 +66,7 @@ from transformers.generation.stopping_criteria import (
     StopStringCriteria,
 )
 
-from .compiled_decoding import CompiledStep
+from .compiled_decoding import CompiledStep, gemm_backend
 from .static_decoding import CACHE_FIELD, _Keys, is_static_cache
 
 # --- the cache ---------------------------------------------------------------------------------------------------
@@ -196,13 +200,90 @@ class DecodingCache:
 _PACKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
+# --- the products ---------------------------------------------------------------------------------------------------
+
+
 def can_pack(weight: torch.Tensor) -> bool:
-    return (
-        weight.device.type == "cpu"
-        and weight.dtype == torch.float32
-        and torch.backends.mkl.is_available()
-        and hasattr(torch.ops.mkl, "_mkl_linear")
-    )
+    if weight.device.type != "cpu" or weight.dtype != torch.float32:
+        return False
+    if gemm_backend() == "onednn":
+        return True
+    return torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")
+
+
+def onednn_linear(rows: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """rows (M, K) x W^T + b through oneDNN's inner product, W packed by `mkldnn._reorder_linear_weight`."""
+    return torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "")
+
+
+class PackedLinears:
+    """The decoder's float32 `nn.Linear` layers (the attention projections of Section 3.2.2 and the feed-forward
+    layers of Section 3.3) with their weights packed once for oneDNN, kept per model while the weights are unchanged
+    (checked at every `generate()`). `installed(rows)` runs them in place of the layers' own product for a step of
+    `rows` rows where oneMKL's product is the slower one on these CPUs (`gemm_backend`): from `min_rows()` on."""
+
+    @staticmethod
+    def min_rows() -> int:
+        """From 2 rows on with one thread. One row is a matrix-vector product bound by reading W: oneMKL runs it on
+        one thread, faster than oneDNN there (a greedy step, base shape: 13.6 ms through the compiled step against
+        21.1 with oneDNN's), but oneDNN spreads it over all threads (2 threads: 12.8 against 10.9 ms)."""
+        return 1 if torch.get_num_threads() > 1 else 2
+
+    def __init__(self, modules: list[nn.Linear]):
+        self.fingerprint = [_fingerprint(module.weight) for module in modules]
+        with torch.no_grad():
+            self.layers = [
+                (module, _PackedForward(torch.ops.mkldnn._reorder_linear_weight(module.weight.detach()), module.bias))
+                for module in modules
+            ]
+
+    @contextlib.contextmanager
+    def installed(self, rows: int):
+        if rows < self.min_rows():
+            yield
+            return
+        for module, forward in self.layers:
+            module.forward = forward  # an instance attribute: nn.Module's __call__ looks it up first
+        try:
+            yield
+        finally:
+            for module, _ in self.layers:
+                del module.forward
+
+    @classmethod
+    def of(cls, model: nn.Module) -> PackedLinears | None:
+        """The model's decoder layers packed, or None where this does not apply (oneMKL chosen, not float32 on the
+        CPU, no float32 `nn.Linear` layers: an int8 model's are quantized)."""
+        if gemm_backend() != "onednn":
+            return None
+        modules = [
+            module
+            for module in model.get_decoder().modules()
+            if type(module) is nn.Linear
+            and module.weight.device.type == "cpu"
+            and module.weight.dtype == torch.float32
+        ]
+        if not modules:
+            return None
+        entry = _LINEARS.get(model)
+        if entry is None or entry.fingerprint != [_fingerprint(module.weight) for module in modules]:
+            _LINEARS.pop(model, None)  # one packing in memory at a time
+            entry = _LINEARS[model] = cls(modules)
+        return entry
+
+
+class _PackedForward:
+    __slots__ = ("packed", "bias")
+
+    def __init__(self, packed: torch.Tensor, bias: torch.Tensor | None):
+        self.packed, self.bias = packed, bias
+
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        rows = onednn_linear(hidden.reshape(-1, hidden.shape[-1]), self.packed, self.bias)
+        return rows.view(*hidden.shape[:-1], -1)
+
+
+_LINEARS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 class PackedProjection:
@@ -211,16 +292,27 @@ class PackedProjection:
     and torch computes any other with its usual product. Kept per model (one packing, about W's size, or a share
     of it below `PACK_ALL_ROWS` rows, the other rows of W taking the usual product) while W is
     unchanged (its identity and in-place version are checked at every `generate()`); a `generate()` with another
-    number of rows packs again (about 20 ms for the base model)."""
+    number of rows packs again (about 20 ms for the base model). Where `gemm_backend()` is oneDNN, W is packed whole
+    for oneDNN's inner product instead, which takes any number of rows: one packing serves every call."""
 
     def __init__(self, weight: torch.Tensor, rows: int):
         self.weight, self.rows = weight, rows
         self.fingerprint = _fingerprint(weight)
-        # Below PACK_ALL_ROWS rows, W's first PACK_FEW_ROWS_SHARE only; its other rows take the usual product.
+        self.backend = gemm_backend()
+        # Below PACK_ALL_ROWS rows, W's first PACK_FEW_ROWS_SHARE only; its other rows take the usual product
+        # (oneMKL's; where that is the slow one, oneDNN packs all of W).
         vocabulary = weight.shape[0]
-        self.split = vocabulary if rows >= PACK_ALL_ROWS else math.ceil(vocabulary * PACK_FEW_ROWS_SHARE)
+        whole = rows >= PACK_ALL_ROWS or self.backend == "onednn"
+        self.split = vocabulary if whole else math.ceil(vocabulary * PACK_FEW_ROWS_SHARE)
         with torch.no_grad():
-            self.packed = torch.ops.mkl._mkl_reorder_linear_weight(weight.detach()[: self.split], rows)
+            if self.backend == "onednn":
+                self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
+            else:
+                self.packed = torch.ops.mkl._mkl_reorder_linear_weight(weight.detach()[: self.split], rows)
+
+    def serves(self, rows: int) -> bool:
+        """Whether a product of this many rows can use the packing."""
+        return self.backend == "onednn" or rows == self.rows
 
     @property
     def whole(self) -> bool:
@@ -231,6 +323,8 @@ class PackedProjection:
         """The logits (..., V); where W is packed in part, written into `out` (rows, V) when given."""
         rows = hidden.reshape(-1, hidden.shape[-1])
         split, weight = self.split, self.weight
+        if self.backend == "onednn":
+            return onednn_linear(rows, self.packed, None).view(*hidden.shape[:-1], -1)
         logits = torch.ops.mkl._mkl_linear(rows, self.packed, weight[:split], None, self.rows)
         if not self.whole:
             head, logits = logits, out if out is not None else rows.new_empty(rows.shape[0], weight.shape[0])
@@ -246,7 +340,8 @@ class PackedProjection:
         if weight is None or not can_pack(weight):
             return None
         entry = _PACKED.get(model)
-        if entry is None or entry.rows != rows or entry.fingerprint != _fingerprint(weight):
+        stale = entry is None or entry.backend != gemm_backend() or entry.fingerprint != _fingerprint(weight)
+        if stale or not entry.serves(rows):
             _PACKED.pop(model, None)  # the old packing goes before the new one is made: one at a time in memory
             entry = _PACKED[model] = cls(weight, rows)
         return entry
@@ -293,7 +388,7 @@ class Projection:
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         rows = hidden.reshape(-1, hidden.shape[-1])
-        packed = self.packed is not None and rows.shape[0] == self.packed.rows
+        packed = self.packed is not None and self.packed.serves(rows.shape[0])
         if packed and self.packed.whole:
             return self.packed(hidden)
         if self.buffer is None or self.buffer.shape[0] < rows.shape[0]:
@@ -311,7 +406,8 @@ class Projection:
         weight = float32_head(model)
         if weight is None:
             return None
-        packs = pack and rows >= PACK_MIN_ROWS and rows * weight.shape[0] * weight.element_size() <= FRESH_BYTES
+        fewest = 1 if gemm_backend() == "onednn" else PACK_MIN_ROWS  # oneDNN's beats oneMKL's at any rows there
+        packs = pack and rows >= fewest and rows * weight.shape[0] * weight.element_size() <= FRESH_BYTES
         return cls(weight, PackedProjection.of(model, rows) if packs else None)
 
 
@@ -463,6 +559,8 @@ class DecodingSession:
         self.cache = DecodingCache(model.config.num_decoder_layers)
         self.projection = Projection.of(model, encoder_output.shape[0], pack)
         self.final_bias = getattr(model, "final_logits_bias", None) if model.config.final_logits_bias else None
+        # packed only for calls that will use them (a copy of the decoder's weights)
+        self.linears = PackedLinears.of(model) if encoder_output.shape[0] >= PackedLinears.min_rows() else None
 
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
         """Logits of the position after `tokens` (rows, T): the new positions (all of the decoder's prefix at the
@@ -471,14 +569,15 @@ class DecodingSession:
 
     def hidden(self, tokens: torch.Tensor) -> torch.Tensor:
         """The decoder's output (rows, d_model) at the position after `tokens`, before the projection."""
-        return self.model.get_decoder()(
-            input_ids=tokens,
-            encoder_hidden_states=self.sources,
-            encoder_attention_mask=self.source_mask,
-            past_key_values=self.cache,
-            use_cache=True,
-            return_dict=True,
-        ).last_hidden_state[:, -1]
+        with self.linears.installed(tokens.shape[0]) if self.linears is not None else contextlib.nullcontext():
+            return self.model.get_decoder()(
+                input_ids=tokens,
+                encoder_hidden_states=self.sources,
+                encoder_attention_mask=self.source_mask,
+                past_key_values=self.cache,
+                use_cache=True,
+                return_dict=True,
+            ).last_hidden_state[:, -1]
 
     def select(self, sources: torch.Tensor, rows: torch.Tensor | None = None) -> None:
         """Keep these sources, and of the decoder's rows these (default: the sources' own, one row each): the
@@ -509,10 +608,17 @@ def open_session(
     """The compiled step's session where the model has one that applies to this call (compiled_decoding.py),
     else the eager one; both give the same logits to float32 rounding. `pack`: see `Projection.of`."""
     compiled = session_applies(model, input_ids, max_length, model_kwargs)
-    if compiled is None:
+    if compiled is None or packs_beat_compiled(model, input_ids.shape[0]):
         return DecodingSession(model, model_kwargs, rows_per_source, pack)
     projection = Projection.of(model, model_kwargs["encoder_outputs"][0].shape[0], pack)
     return CompiledSession(model, compiled, model_kwargs, rows_per_source, projection)
+
+
+def packs_beat_compiled(model: nn.Module, rows: int) -> bool:
+    """Whether a call of `rows` rows decodes faster eagerly on oneDNN's packed weights (`PackedLinears`) than through
+    the compiled step, whose products read the weights unpacked: from 2 rows on, where oneDNN is chosen (at 4 rows
+    oneDNN's product on packed weights takes 40 us for 512 x 512 where the unpacked one takes 66, base shape)."""
+    return rows >= 2 and PackedLinears.of(model) is not None
 
 
 # --- the compiled step (compiled_decoding.py) ------------------------------------------------------------------------
