@@ -18,7 +18,7 @@ maxima first), so the output ids are transformers' own. What they save, per step
   computes in float32 only the columns that can hold it (`ScreenedArgmax`);
 - on x86 CPUs other than Intel's, where oneMKL's float32 products take slow code paths at a few rows, the products
   are oneDNN's instead (`gemm_backend`, CTranslate2's rule): W and the decoder's layers are packed once for oneDNN's
-  inner product (`PackedProjection`, `PackedLinears`), and calls of several rows decode eagerly on them rather
+  inner product (`PackedProjection`, `PackedLinears`), and calls of 2-63 rows decode eagerly on them rather
   than through the compiled step (`packs_beat_compiled`), whose products there are oneDNN's on unpacked weights;
 - the logits: no float32 copy of them, very large ones written into a buffer kept for the call (a fresh tensor
   above 32 MiB costs page faults every step) and beam search's log-softmax written over them, and the processors
@@ -248,7 +248,9 @@ class PackedLinears:
             yield
         finally:
             for module, _ in self.layers:
-                del module.forward
+                # another thread decoding with this model may have taken it off already (its steps then take the
+                # layer's own product, the same to float32 rounding)
+                module.__dict__.pop("forward", None)
 
     @classmethod
     def of(cls, model: nn.Module) -> PackedLinears | None:
@@ -616,9 +618,15 @@ def open_session(
 
 def packs_beat_compiled(model: nn.Module, rows: int) -> bool:
     """Whether a call of `rows` rows decodes faster eagerly on oneDNN's packed weights (`PackedLinears`) than through
-    the compiled step, whose products read the weights unpacked: from 2 rows on, where oneDNN is chosen (at 4 rows
-    oneDNN's product on packed weights takes 40 us for 512 x 512 where the unpacked one takes 66, base shape)."""
-    return rows >= 2 and PackedLinears.of(model) is not None
+    the compiled step, whose products read the weights unpacked: from 2 to `PACKS_MAX_ROWS` - 1 rows, where oneDNN is
+    chosen. There packing pays most (at 4 rows oneDNN's product on packed weights takes 41 us for 512 x 512 where the
+    unpacked one takes 70, 100 against 220 for 2,048 x 512; base shape, one thread). With more rows the two are
+    within 5-15% of each other, and the compiled step's fused attention and norms win: the main job's model on
+    Multi30k val (beam 6, hundreds of rows) decodes 7-12% faster through it (docs/speed.md)."""
+    return 2 <= rows < PACKS_MAX_ROWS and PackedLinears.of(model) is not None
+
+
+PACKS_MAX_ROWS = 64
 
 
 # --- the compiled step (compiled_decoding.py) ------------------------------------------------------------------------

@@ -147,9 +147,11 @@ def main(argv: list[str] | None = None) -> int:
     elif extra:  # as the command's own usage error: `vaswani-tx COMMAND: error: ...`, status 2
         args._parser.error(f"unrecognized arguments: {' '.join(extra)}")
     from vaswani_tx.atomic import sigterm_as_interrupt
+    from vaswani_tx.compiled_decoding import gemm_backend
 
     stopped: list[int] = []  # SIGTERM raises KeyboardInterrupt, so clean-ups run as for Ctrl-C; exit 128 + 15
     try:
+        gemm_backend()  # a VASWANI_TX_GEMM that names no library is refused before any work
         with sigterm_as_interrupt(stopped), precision_choices_shown(args.command):
             status = int(args._run(args) or 0)
         return 128 + stopped[0] if stopped and status == 130 else status
