@@ -30,6 +30,7 @@ from .compiled_decoding import (
     weights_fingerprint,
 )
 from .errors import UserInputError
+from .fast_decoding import OneDNNForward, forwards_installed
 from .static_decoding import _Slots, is_packed
 
 
@@ -61,7 +62,6 @@ class DecoderStep(nn.Module):
         return hidden[:, 0]
 
 
-@contextlib.contextmanager
 def onednn_products(model: nn.Module):
     """The decoder's `nn.Linear` layers computed by oneDNN's inner product on their own weights while the step is
     exported, so that the compiled step calls oneDNN rather than oneMKL (`gemm_backend`). The step's usual single
@@ -69,23 +69,26 @@ def onednn_products(model: nn.Module):
     ones there, and spreads the product over every thread, where oneMKL's runs on one (the decoder's 48
     products at one row on an AMD EPYC: 9.6 against 10.2 ms on one thread, 5.9 against 9.7 on two)."""
     layers = [module for module in model.get_decoder().modules() if type(module) is nn.Linear]
-    for module in layers:
-        module.forward = _OneDNNForward(module)
-    try:
-        yield
-    finally:
-        for module in layers:
-            del module.forward
+    return forwards_installed([(module, _OwnWeights(module)) for module in layers])
 
 
-class _OneDNNForward:
+class _OwnWeights(OneDNNForward):
+    """`OneDNNForward` that reads the module's weight and bias at each call: export traces them as the module's
+    parameters then (the step's user-managed constants), where tensors held by the forward would be lifted into
+    the graph as constants of their own."""
+
+    __slots__ = ("module",)
+
     def __init__(self, module: nn.Linear):
         self.module = module
 
-    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight, bias = self.module.weight, self.module.bias
-        rows = hidden.reshape(-1, hidden.shape[-1])
-        return torch.ops.mkldnn._linear_pointwise(rows, weight, bias, "none", [], "").view(*hidden.shape[:-1], -1)
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.module.weight
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        return self.module.bias
 
 
 def _example(model: nn.Module) -> tuple:

@@ -212,7 +212,7 @@ def can_pack(weight: torch.Tensor) -> bool:
 
 
 def onednn_linear(rows: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """rows (M, K) x W^T + b through oneDNN's inner product, W packed by `mkldnn._reorder_linear_weight`."""
+    """rows (M, K) x W^T + b through oneDNN's inner product, W packed by `mkldnn._reorder_linear_weight` or not."""
     return torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "")
 
 
@@ -233,24 +233,12 @@ class PackedLinears:
         self.fingerprint = [_fingerprint(module.weight) for module in modules]
         with torch.no_grad():
             self.layers = [
-                (module, _PackedForward(torch.ops.mkldnn._reorder_linear_weight(module.weight.detach()), module.bias))
+                (module, OneDNNForward(torch.ops.mkldnn._reorder_linear_weight(module.weight.detach()), module.bias))
                 for module in modules
             ]
 
-    @contextlib.contextmanager
     def installed(self, rows: int):
-        if rows < self.min_rows():
-            yield
-            return
-        for module, forward in self.layers:
-            module.forward = forward  # an instance attribute: nn.Module's __call__ looks it up first
-        try:
-            yield
-        finally:
-            for module, _ in self.layers:
-                # another thread decoding with this model may have taken it off already (its steps then take the
-                # layer's own product, the same to float32 rounding)
-                module.__dict__.pop("forward", None)
+        return forwards_installed(self.layers) if rows >= self.min_rows() else contextlib.nullcontext()
 
     @classmethod
     def of(cls, model: nn.Module) -> PackedLinears | None:
@@ -274,15 +262,32 @@ class PackedLinears:
         return entry
 
 
-class _PackedForward:
-    __slots__ = ("packed", "bias")
+class OneDNNForward:
+    """An `nn.Linear`'s forward through oneDNN's inner product, on its weight packed (`PackedLinears`) or as it is
+    (the compiled step's, compile_step.py)."""
 
-    def __init__(self, packed: torch.Tensor, bias: torch.Tensor | None):
-        self.packed, self.bias = packed, bias
+    __slots__ = ("weight", "bias")
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        self.weight, self.bias = weight, bias
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
-        rows = onednn_linear(hidden.reshape(-1, hidden.shape[-1]), self.packed, self.bias)
+        rows = onednn_linear(hidden.reshape(-1, hidden.shape[-1]), self.weight, self.bias)
         return rows.view(*hidden.shape[:-1], -1)
+
+
+@contextlib.contextmanager
+def forwards_installed(layers: list[tuple[nn.Module, OneDNNForward]]):
+    """Each module's forward replaced by its given one while the block runs, the module's own again after."""
+    for module, forward in layers:
+        module.forward = forward  # an instance attribute: nn.Module's __call__ looks it up first
+    try:
+        yield
+    finally:
+        for module, _ in layers:
+            # another thread decoding with this model may have taken it off already (its steps then take the
+            # layer's own product, the same to float32 rounding)
+            module.__dict__.pop("forward", None)
 
 
 _LINEARS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
