@@ -7,6 +7,8 @@ Speed is measured by benchmarks/bench_speed.py and bench_translate.py, never ass
 from __future__ import annotations
 
 import math
+import os
+import sys
 
 import pytest
 import torch
@@ -16,6 +18,7 @@ from test_modeling import EOS, batch, tiny_model  # the model tests' tiny odd-si
 from vaswani_tx import compiled_decoding, fast_decoding
 from vaswani_tx.errors import UserInputError
 from vaswani_tx.generation_vaswani import fairseq_generation_config
+from vaswani_tx.modeling_vaswani import VaswaniForConditionalGeneration
 from vaswani_tx.quantization import quantize_int8
 
 
@@ -208,9 +211,10 @@ def test_onednn_packs_the_whole_projection_once_for_any_number_of_rows(monkeypat
     assert fast_decoding.PackedProjection.of(model, 4).backend == "mkl"
 
 
-def test_onednn_runs_the_decoders_linear_layers_on_packed_weights_from_two_rows(monkeypatch):
-    """`PackedLinears` replaces the product of each float32 `nn.Linear` of the decoder for a step of 2 rows or more,
-    and only for that step: the same outputs to float32 rounding, the layers' own forward back afterwards, a new
+def test_onednn_runs_the_decoders_linear_layers_on_packed_weights(monkeypatch):
+    """`PackedLinears` replaces the product of each float32 `nn.Linear` of the decoder while installed (every step
+    of a call that packs, whatever its rows), and only then: the same outputs to float32 rounding, the layers' own
+    forward back afterwards, a new
     packing after the weights change, none for an int8 model (its layers are quantized) or where oneMKL is chosen."""
     if not compiled_decoding.onednn_linear_available():
         pytest.skip("torch without oneDNN's inner product")
@@ -223,11 +227,11 @@ def test_onednn_runs_the_decoders_linear_layers_on_packed_weights_from_two_rows(
     for rows in (1, 2, 5):
         hidden = torch.randn(rows, 1, layer.in_features)
         expected = torch.nn.functional.linear(hidden, layer.weight, layer.bias)
-        with linears.installed(rows):
-            assert ("forward" in vars(layer)) == (rows >= fast_decoding.PackedLinears.min_rows())
+        with linears.installed():
+            assert "forward" in vars(layer)
             torch.testing.assert_close(layer(hidden), expected)
         assert "forward" not in vars(layer)
-    with pytest.raises(RuntimeError, match="inside"), linears.installed(4):
+    with pytest.raises(RuntimeError, match="inside"), linears.installed():
         raise RuntimeError("inside")
     assert all("forward" not in vars(module) for module in layers)  # restored after an error too
     with torch.no_grad():
@@ -236,6 +240,81 @@ def test_onednn_runs_the_decoders_linear_layers_on_packed_weights_from_two_rows(
     assert fast_decoding.PackedLinears.of(quantize_int8(eos_prone_model())) is None
     monkeypatch.setenv(compiled_decoding.GEMM_VARIABLE, "mkl")
     assert fast_decoding.PackedLinears.of(model) is None
+
+
+def resident_bytes(path) -> int:
+    """This process' resident bytes of its mappings of the file `path` (/proc/self/smaps)."""
+    total, inside = 0, False
+    with open("/proc/self/smaps", encoding="utf-8", errors="replace") as smaps:
+        for line in smaps:
+            fields = line.split()
+            if "-" in fields[0] and not fields[0].endswith(":"):  # a mapping's header: range, perms, ..., path
+                inside = fields[-1] == str(path)
+            elif inside and fields[0] == "Rss:":
+                total += int(fields[1]) * 1024
+    return total
+
+
+def in_memory_filesystem(path) -> bool:
+    """Whether `path` is on tmpfs or ramfs, whose files are memory themselves: nothing to give back to."""
+    best, kind = "", ""
+    with open("/proc/mounts", encoding="utf-8") as mounts:
+        for line in mounts:
+            fields = line.split()
+            if str(path).startswith(fields[1]) and len(fields[1]) > len(best):
+                best, kind = fields[1], fields[2]
+    return kind in ("tmpfs", "ramfs")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise(2) and /proc: Linux only")
+def test_a_tensor_mapped_from_a_file_gives_its_pages_back(tmp_path):
+    """`release_file_pages`: a tensor read through a private mapping of a file (as `from_pretrained` leaves the
+    weights) leaves memory, and reading it again gives the same values; a tensor made in memory is left alone."""
+    import numpy as np
+
+    path = tmp_path / "weights.bin"
+    values = torch.randn(2**21)  # 8 MB
+    with open(path, "wb") as file:
+        file.write(values.numpy().tobytes())
+        file.flush()
+        os.fsync(file.fileno())  # written back: clean pages, which the kernel can drop at once
+    mapped = torch.from_numpy(np.memmap(path, dtype=np.float32, mode="c"))  # MAP_PRIVATE, as safetensors maps
+    assert torch.equal(mapped, values)  # every page read
+    before = resident_bytes(path)
+    released = fast_decoding.release_file_pages(mapped)
+    assert released >= values.numel() * 4 - 2 * fast_decoding.PAGE
+    if not in_memory_filesystem(tmp_path):
+        assert before - resident_bytes(path) >= 0.9 * released
+    assert torch.equal(mapped, values)  # read back from the file
+    in_memory = values.clone()
+    assert fast_decoding.release_file_pages(in_memory) == 0 and torch.equal(in_memory, values)
+    assert fast_decoding.release_file_pages(mapped[:, None].expand(-1, 2)) == 0  # not contiguous: left alone
+
+
+def test_a_call_that_packs_reads_only_the_packed_weights_and_gives_the_plain_ones_back(tmp_path, monkeypatch):
+    """Once W and the decoder's layers are packed for oneDNN, each one's plain pages are given back (one layer at a
+    time), and every step of the call reads the packed copies only, beam search's first step of one row a source
+    included: the plain weights' values no longer matter (here made NaN behind the packing's back), and the ids
+    stay transformers' own."""
+    if not compiled_decoding.onednn_linear_available():
+        pytest.skip("torch without oneDNN's inner product")
+    monkeypatch.setenv(compiled_decoding.GEMM_VARIABLE, "onednn")
+    given_back = []
+    monkeypatch.setattr(fast_decoding, "release_file_pages", lambda tensor: given_back.append(tensor) or 0)
+    tiny_model().save_pretrained(tmp_path)
+    model = VaswaniForConditionalGeneration.from_pretrained(tmp_path).eval()
+    layers = [module for module in model.get_decoder().modules() if type(module) is torch.nn.Linear]
+    ids, mask = batch(lengths=(7,))
+    settings = dict(input_ids=ids, attention_mask=mask, num_beams=4, max_new_tokens=6)
+    expected = model.generate(fast_decoding=False, **settings)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)  # one thread: packs from 2 rows (`min_rows`), not 1
+    assert torch.equal(model.generate(**settings), expected)
+    assert [id(t) for t in given_back] == [id(model.lm_head.weight)] + [id(module.weight) for module in layers]
+    with torch.no_grad():
+        for module in layers:
+            module.weight.data.fill_(math.nan)  # `.data`: the weight's version stays, so the packing is kept
+    assert torch.equal(model.generate(**settings), expected)
+    assert len(given_back) == len(layers) + 1  # nothing packed or given back again
 
 
 def test_the_gemm_library_follows_the_cpu_vendor(monkeypatch):

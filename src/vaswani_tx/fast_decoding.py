@@ -20,6 +20,8 @@ maxima first), so the output ids are transformers' own. What they save, per step
   are oneDNN's instead (`gemm_backend`, CTranslate2's rule): W and the decoder's layers are packed once for oneDNN's
   inner product (`PackedProjection`, `PackedLinears`), and calls of 2-63 rows decode eagerly on them rather
   than through the compiled step (`packs_beat_compiled`), whose products there are oneDNN's on unpacked weights;
+  the plain weights' pages then go back to the file they were read from (`release_file_pages`), so that the
+  process does not hold each weight twice;
 - the logits: no float32 copy of them, very large ones written into a buffer kept for the call (a fresh tensor
   above 32 MiB costs page faults every step) and beam search's log-softmax written over them, and the processors
   that would rewrite all of them to mask a few columns (minimum lengths, suppressed tokens) mask those columns in
@@ -46,7 +48,11 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import ctypes
+import functools
 import math
+import mmap
+import sys
 import weakref
 
 import torch
@@ -219,8 +225,11 @@ def onednn_linear(rows: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor |
 class PackedLinears:
     """The decoder's float32 `nn.Linear` layers (the attention projections of Section 3.2.2 and the feed-forward
     layers of Section 3.3) with their weights packed once for oneDNN, kept per model while the weights are unchanged
-    (checked at every `generate()`). `installed(rows)` runs them in place of the layers' own product for a step of
-    `rows` rows where oneMKL's product is the slower one on these CPUs (`gemm_backend`): from `min_rows()` on."""
+    (checked at every `generate()`), where oneMKL's product is the slower one on these CPUs (`gemm_backend`). A call
+    that starts with `min_rows()` rows or more packs them; `installed()` then runs them in place of the layers' own
+    product at every step of it, down to one row (beam search's first step, a source at a time; greedy search's last
+    sentences): once packed, the plain weights' pages are given back (`release_file_pages`), and reading them again
+    would hold both copies, for no speed (at one row from memory the two products are within 5%, bench_gemm.py)."""
 
     @staticmethod
     def min_rows() -> int:
@@ -231,14 +240,15 @@ class PackedLinears:
 
     def __init__(self, modules: list[nn.Linear]):
         self.fingerprint = [_fingerprint(module.weight) for module in modules]
+        self.layers = []
         with torch.no_grad():
-            self.layers = [
-                (module, OneDNNForward(torch.ops.mkldnn._reorder_linear_weight(module.weight.detach()), module.bias))
-                for module in modules
-            ]
+            for module in modules:
+                packed = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach())
+                self.layers.append((module, OneDNNForward(packed, module.bias)))
+                release_file_pages(module.weight)  # one layer at a time: never both copies of every layer at once
 
-    def installed(self, rows: int):
-        return forwards_installed(self.layers) if rows >= self.min_rows() else contextlib.nullcontext()
+    def installed(self):
+        return forwards_installed(self.layers)
 
     @classmethod
     def of(cls, model: nn.Module) -> PackedLinears | None:
@@ -314,6 +324,8 @@ class PackedProjection:
         with torch.no_grad():
             if self.backend == "onednn":
                 self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
+                # the embeddings read a few rows of W a step, and products of very many rows W itself
+                release_file_pages(weight)
             else:
                 self.packed = torch.ops.mkl._mkl_reorder_linear_weight(weight.detach()[: self.split], rows)
 
@@ -366,6 +378,61 @@ def float32_head(model: nn.Module) -> torch.Tensor | None:
 
 def _fingerprint(weight: torch.Tensor) -> tuple:
     return (id(weight), weight._version, weight.data_ptr())
+
+
+# --- the packed weights' plain pages, given back ----------------------------------------------------------------------
+
+# madvise(2)'s advice to reclaim the pages now (Linux 5.4 on; 21 on every architecture, which Python's mmap module
+# names only where it was built with the kernel's newer headers): a file's clean pages leave memory and are read from
+# the file again when touched; changed or anonymous pages are swapped out or, without swap, kept. No data is lost.
+MADV_PAGEOUT = getattr(mmap, "MADV_PAGEOUT", 21)
+PAGE = mmap.PAGESIZE
+
+
+def release_file_pages(tensor: torch.Tensor) -> int:
+    """Give back the memory of `tensor`'s whole pages where it lies in a file mapped into memory, as
+    `from_pretrained` leaves a model's weights (safetensors' mapping of model.safetensors, read lazily): its packed
+    copy now serves decoding (`PackedLinears`, `PackedProjection`), so without this the process would hold each
+    weight twice, plain and packed (164 MB more than MarianMT at the base shape, docs/speed.md). Touched again (the
+    compiled step, training, `state_dict`), the pages are read back from the file, the same bytes. A no-op, returning
+    0, where the tensor is not in a file mapping (weights made or changed in memory: nothing to read them back from)
+    or off Linux; returns the bytes given back."""
+    if not sys.platform.startswith("linux") or tensor.device.type != "cpu" or not tensor.is_contiguous():
+        return 0
+    start = tensor.data_ptr()
+    end = start + tensor.numel() * tensor.element_size()
+    first, last = -(-start // PAGE) * PAGE, end // PAGE * PAGE  # whole pages only: a neighbour's stay
+    if last <= first or not _in_file_mapping(first, last):
+        return 0
+    madvise = _madvise()
+    if madvise is None or madvise(first, last - first, MADV_PAGEOUT) != 0:
+        return 0  # an older kernel (EINVAL): the pages stay, as before
+    return last - first
+
+
+@functools.cache
+def _madvise():
+    """The C library's madvise(2), or None where it cannot be had."""
+    try:
+        madvise = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    madvise.argtypes, madvise.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
+    return madvise
+
+
+def _in_file_mapping(first: int, last: int) -> bool:
+    """Whether [first, last) lies in one mapping of a file (/proc/self/maps: a path, not [heap] or anonymous)."""
+    try:
+        with open("/proc/self/maps", encoding="utf-8", errors="replace") as maps:
+            for line in maps:
+                fields = line.split(maxsplit=5)
+                low, high = (int(bound, 16) for bound in fields[0].split("-"))
+                if low <= first < high:
+                    return last <= high and len(fields) == 6 and fields[5].startswith("/")
+    except OSError:
+        pass
+    return False
 
 
 # Below this many rows the product is bound by reading W, and packing gains nothing there (1-2 rows, base shape:
@@ -576,7 +643,7 @@ class DecodingSession:
 
     def hidden(self, tokens: torch.Tensor) -> torch.Tensor:
         """The decoder's output (rows, d_model) at the position after `tokens`, before the projection."""
-        with self.linears.installed(tokens.shape[0]) if self.linears is not None else contextlib.nullcontext():
+        with self.linears.installed() if self.linears is not None else contextlib.nullcontext():
             return self.model.get_decoder()(
                 input_ids=tokens,
                 encoder_hidden_states=self.sources,
