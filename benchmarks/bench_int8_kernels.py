@@ -1,5 +1,6 @@
-"""Where `Int8Linear.MANY_ROWS` comes from: torch's dynamically quantized int8 linear kernel on fbgemm's packing
-against the same int8 weights packed for oneDNN, by number of rows, at the base shape's layers.
+"""Where `Int8Linear.MANY_ROWS` and `MANY_ROWS_WITHOUT_AMX` come from: torch's dynamically quantized int8 linear
+kernel on fbgemm's packing against the same int8 weights packed for oneDNN, by number of rows, at the base shape's
+layers.
 
     PYTHONPATH=src .venv/bin/python benchmarks/bench_int8_kernels.py [--threads 1] [--repeats 200]
 
@@ -68,7 +69,11 @@ def main() -> None:
                 cells.append(statistics.median(ratios))
                 difference = max(difference, (KERNEL(x, fbgemm, True) - KERNEL(x, onednn, True)).abs().max().item())
             print(f"{inputs:>5} x {outputs:<5} " + " ".join(f"{c:6.2f}" for c in cells) + f"   {difference:.1e}")
-    print(f"Int8Linear.MANY_ROWS = {Int8Linear.MANY_ROWS}: oneDNN's packing from that many rows up")
+    print(
+        f"Int8Linear.MANY_ROWS = {Int8Linear.MANY_ROWS}: oneDNN's packing from that many rows up (with AMX; "
+        "without, the pre-softmax projection only, the other layers from "
+        f"MANY_ROWS_WITHOUT_AMX = {Int8Linear.MANY_ROWS_WITHOUT_AMX})"
+    )
 
 
 if __name__ == "__main__":

@@ -93,6 +93,25 @@ def test_int8_linear_equals_torch_dynamic_quantized_linear():
         assert torch.equal(module(x), stock)
 
 
+def test_int8_layers_take_onednn_from_where_it_is_faster_on_this_cpu(monkeypatch):
+    """With AMX tiles every int8 layer takes oneDNN's kernel from MANY_ROWS rows; without them only the pre-softmax
+    projection does, the attention and feed-forward layers from MANY_ROWS_WITHOUT_AMX (bench_int8_kernels.py)."""
+    from vaswani_tx import quantization
+
+    for instructions, layer_rows in (("AMX", Int8Linear.MANY_ROWS), ("AVX512-BF16", Int8Linear.MANY_ROWS_WITHOUT_AMX),
+                                     (None, Int8Linear.MANY_ROWS_WITHOUT_AMX)):  # fmt: skip
+        monkeypatch.setattr(quantization, "cpu_bf16_instructions", lambda instructions=instructions: instructions)
+        model = quantize_int8(tiny_model(seed=2))
+        assert model.lm_head.many_rows == Int8Linear.MANY_ROWS
+        layers = [m for m in model.modules() if type(m) is Int8Linear and m is not model.lm_head]
+        assert layers and all(layer.many_rows == layer_rows for layer in layers)
+    layer = layers[0]
+    if layer.many_rows_params is not None:  # below its own threshold a layer keeps fbgemm's kernel, bit for bit
+        x = torch.randn(Int8Linear.MANY_ROWS, layer.in_features)
+        fbgemm = layer._packed_params._packed_params
+        assert torch.equal(layer(x), torch.ops.quantized.linear_dynamic(x, fbgemm, True))
+
+
 def test_int8_linear_takes_onednn_packing_from_many_rows():
     """From MANY_ROWS rows the same int8 weights go through oneDNN's packing: as close to float32 as fbgemm's
     result (the two may round an activation to int8 differently), and the stock kernel below it, bit for bit."""
@@ -103,8 +122,8 @@ def test_int8_linear_takes_onednn_packing_from_many_rows():
     assert module.many_rows_params is not None and torch.backends.quantized.engine == engine  # switched back
     kernel, fbgemm = torch.ops.quantized.linear_dynamic, module._packed_params._packed_params
     generator = torch.Generator().manual_seed(0)
-    few = torch.randn(Int8Linear.MANY_ROWS - 1, 24, generator=generator)
-    many = torch.randn(2, Int8Linear.MANY_ROWS // 2, 24, generator=generator)
+    few = torch.randn(module.many_rows - 1, 24, generator=generator)
+    many = torch.randn(2, module.many_rows // 2, 24, generator=generator)
     assert torch.equal(module(few), kernel(few, fbgemm, True))
     assert torch.equal(module(many), kernel(many, module.many_rows_params, True))
     with torch.no_grad():

@@ -15,9 +15,11 @@ This uses ``torch.ao.quantization.quantize_dynamic`` (fbgemm/x86 kernels), which
 deprecated in favour of torchao; it is the int8 path that works in stock PyTorch on CPU today, and
 its deprecation warnings are silenced here rather than shown to every user. The quantized layers
 become :class:`Int8Linear`, the same module with a shorter forward (same kernel, same output) that
-also holds the same int8 weights packed for oneDNN, whose kernels use AMX/VNNI tiles: from about 32
-rows up (beam search over a batch) they are faster than fbgemm's, several times at the pre-softmax
-projection, while fbgemm's stay faster on a few rows (docs/speed.md, benchmarks/bench_int8_kernels.py).
+also holds the same int8 weights packed for oneDNN, whose kernels use AMX tiles where the CPU has them: there,
+from about 32 rows up (beam search over a batch) they are faster than fbgemm's, several times at the
+pre-softmax projection, while fbgemm's stay faster on a few rows; without AMX (AVX512-VNNI) oneDNN's pay from
+32 rows at the pre-softmax projection only, and the other layers keep fbgemm's below 384 rows (docs/speed.md,
+benchmarks/bench_int8_kernels.py).
 The quantized model is for inference only (no gradients) and is not saved with ``save_pretrained``:
 quantize after loading. ``benchmarks/bench_int8_bleu.py`` measures what int8 costs in BLEU and
 gains in speed against the float32 model.
@@ -33,6 +35,7 @@ from torch import nn
 from torch.ao.nn.quantized.dynamic import Linear as DynamicQuantizedLinear  # imported by torch itself already
 
 from vaswani_tx.errors import UserInputError
+from vaswani_tx.precision import cpu_bf16_instructions
 
 
 def quantize_int8(model: nn.Module, inplace: bool = False) -> nn.Module:
@@ -61,10 +64,14 @@ def quantize_int8(model: nn.Module, inplace: bool = False) -> nn.Module:
         warnings.filterwarnings("ignore", category=UserWarning, module=r"torch\.ao\..*")
         warnings.filterwarnings("ignore", message=r".*(deprecated|torchao).*")
         quantize_dynamic(model, {nn.Linear: per_channel_dynamic_qconfig}, dtype=torch.qint8, inplace=True)
+    projection = model.get_output_embeddings()
+    amx = cpu_bf16_instructions() == "AMX"
     for module in model.modules():
         if type(module) is DynamicQuantizedLinear:
             module.__class__ = Int8Linear
             module.many_rows_params = _onednn_packing(module)
+            if not amx and module is not projection:
+                module.many_rows = Int8Linear.MANY_ROWS_WITHOUT_AMX
     return model
 
 
@@ -88,20 +95,26 @@ class Int8Linear(DynamicQuantizedLinear):
     """torch's dynamically quantized Linear with a shorter `forward`: the int8 kernel's overload called
     directly. A decoding step makes some 50 of these calls on a handful of rows, where the stock
     forward's version and dtype checks and the operator packet's Python dispatch are a measurable part
-    of the step. Below `MANY_ROWS` rows: the same kernel, the same arguments (per-row weight scales, the
+    of the step. Below `many_rows` rows: the same kernel, the same arguments (per-row weight scales, the
     `reduce_range` of the module's version 4), the same output.
 
-    From `MANY_ROWS` rows up it calls the same kernel on `many_rows_params`, the same int8 weights packed
+    From `many_rows` rows up it calls the same kernel on `many_rows_params`, the same int8 weights packed
     for oneDNN (see the module docstring): the same weights and the same kind of activation scale, so the
     two agree to within the quantization's own error (an activation may round to the neighbouring int8
     value), not bit for bit."""
 
     _kernel = torch.ops.quantized.linear_dynamic.default
-    MANY_ROWS = 32  # where oneDNN overtakes fbgemm at the base shape's layers on one thread (docs/speed.md)
+    # Where oneDNN overtakes fbgemm on one thread (bench_int8_kernels.py, docs/speed.md): at the base shape's layers
+    # from 32 rows on a CPU with AMX tiles (an Intel Xeon); without them (AVX512-VNNI, an AMD EPYC Zen 4) only the
+    # pre-softmax projection's from 32 rows, the attention and feed-forward layers' from 128-384 (at 32 rows
+    # oneDNN's take 1.2-1.5x fbgemm's time there), so those keep fbgemm's below MANY_ROWS_WITHOUT_AMX.
+    MANY_ROWS = 32
+    MANY_ROWS_WITHOUT_AMX = 384
+    many_rows = MANY_ROWS  # this layer's (`quantize_int8` sets it by CPU and layer)
     many_rows_params = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.many_rows_params is not None and x.numel() >= self.MANY_ROWS * self.in_features:
+        if self.many_rows_params is not None and x.numel() >= self.many_rows * self.in_features:
             return self._kernel(x, self.many_rows_params, True)
         return self._kernel(x, self._packed_params._packed_params, True)
 
