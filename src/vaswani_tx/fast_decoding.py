@@ -395,8 +395,9 @@ def release_file_pages(tensor: torch.Tensor) -> int:
     copy now serves decoding (`PackedLinears`, `PackedProjection`), so without this the process would hold each
     weight twice, plain and packed (164 MB more than MarianMT at the base shape, docs/speed.md). Touched again (the
     compiled step, training, `state_dict`), the pages are read back from the file, the same bytes. A no-op, returning
-    0, where the tensor is not in a file mapping (weights made or changed in memory: nothing to read them back from)
-    or off Linux; returns the bytes given back."""
+    0, where the tensor is not in a file mapping (weights made in memory: nothing to read them back from) or off
+    Linux; pages changed since they were read are the process' own: swapped out or kept, never dropped. Returns the bytes
+    advised."""
     if not sys.platform.startswith("linux") or tensor.device.type != "cpu" or not tensor.is_contiguous():
         return 0
     start = tensor.data_ptr()
