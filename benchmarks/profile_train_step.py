@@ -2,13 +2,14 @@
 shaped like its Multi30k token-budget batches (issue 21).
 
     .venv/bin/python benchmarks/profile_train_step.py [--steps 10] [--tokens 2048] [--length 14] [--compile] [--bf16]
-        [--attn eager|sdpa] [--loss-on-logits]
+        [--attn eager|sdpa] [--loss-on-logits] [--torch-dropout]
 
 Random token ids (the vocabulary of the model config) in sentences of `--length` tokens, `--tokens` per side per
 batch, as `VaswaniTrainer` builds them; one step is forward, the label-smoothed loss (Section 5.4), backward and
 Adam (Section 5.3), as `VaswaniTrainer` runs it: the attention `attn_implementation: auto` picks on the CPU (eager)
 and the loss computed by the model (`epsilon_ls`); `--attn sdpa` and `--loss-on-logits` (the Trainer's route
-through the whole logits, `label_smoothed_loss`) measure the alternatives. Prints the wall time of each phase and `torch.profiler`'s operators by self CPU time. Times
+through the whole logits, `label_smoothed_loss`) measure the alternatives, and `--torch-dropout` torch's own dropout
+masks where the model draws them in bulk (dropout.py: CPUs other than Intel's). Prints the wall time of each phase and `torch.profiler`'s operators by self CPU time. Times
 depend on the machine and its load: print `uptime` beside them.
 """
 
@@ -21,7 +22,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from vaswani_tx import VaswaniForConditionalGeneration
+from vaswani_tx import VaswaniForConditionalGeneration, dropout
 from vaswani_tx.params import load_model_config
 from vaswani_tx.training import label_smoothed_loss
 
@@ -48,7 +49,14 @@ def main() -> None:
         action="store_true",
         help="the label-smoothed loss on the model's whole logits (LabelSmoothedCrossEntropy's route)",
     )
+    parser.add_argument(
+        "--torch-dropout",
+        action="store_true",
+        help="torch's dropout masks (bernoulli_) even where the model draws them in bulk (vaswani_tx/dropout.py)",
+    )
     args = parser.parse_args()
+    if args.torch_dropout:
+        dropout.torch_draws_one_at_a_time = lambda: False
 
     torch.manual_seed(0)
     config = load_model_config(args.config)
@@ -95,6 +103,7 @@ def main() -> None:
     )
     compiled = ("compiled" if args.compile else "eager") + (", bf16 autocast" if args.bf16 else ", float32")
     compiled += f", {args.attn} attention, loss " + ("on the whole logits" if args.loss_on_logits else "in the model")
+    compiled += ", dropout masks " + ("in bulk" if dropout.torch_draws_one_at_a_time() else "by torch")
     print(f"{compiled}; threads {torch.get_num_threads()}; mean step {total / args.steps * 1000:.0f} ms")
     for name, seconds in phases.items():
         print(f"  {name:15s} {seconds / args.steps * 1000:7.1f} ms  {100 * seconds / total:5.1f}%")

@@ -700,6 +700,7 @@ def test_auto_classes_are_registered(tmp_path):
         "compiled_decoding.py",  # loads a folder's compiled decoding step (vaswani-tx compile) where it fits
         "config.json",
         "configuration_vaswani.py",
+        "dropout.py",  # Section 5.4's dropout, its masks drawn in bulk where torch draws them one by one
         "errors.py",  # UserInputError, raised by the config and the model
         "fast_decoding.py",  # the default greedy and beam search loops
         "generation_config.json",

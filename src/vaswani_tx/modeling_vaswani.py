@@ -32,7 +32,7 @@ own (`decoder_d_ff`). Marian's and fairseq's sin-half/cos-half layout of D needs
 permutes the weights.
 
 Copied next to saved weights for `trust_remote_code`: imports torch, transformers and the files that travel with
-it (the config, errors.py, skip_padding.py, generation_vaswani.py, the pipeline that config.json declares).
+it (the config, errors.py, skip_padding.py, dropout.py, generation_vaswani.py, the pipeline that config.json declares).
 """
 
 from __future__ import annotations
@@ -56,6 +56,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .compiled_decoding import attach as attach_compiled_step
 from .configuration_vaswani import VaswaniConfig
+from .dropout import Dropout, apply_dropout
 from .errors import UserInputError, check_decoder_mask, check_mask, check_token_ids, load_fitting_weights
 from .generation_vaswani import CACHE_FIELD, VaswaniGenerationMixin, decoding_cache, paper_generation_config
 from .pipeline_vaswani import CUSTOM_PIPELINES
@@ -186,7 +187,7 @@ def scaled_dot_product_attention(
     if attention_mask is not None:
         scores = scores + attention_mask
     weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
-    weights = nn.functional.dropout(weights, p=dropout, training=module.training)
+    weights = apply_dropout(weights, dropout, module.training)
     output = torch.matmul(weights, value).transpose(1, 2)  # (B, h, T, d_v) -> (B, T, h, d_v)
     return output, weights
 
@@ -304,7 +305,7 @@ class PositionwiseFeedForward(nn.Module):
         d_ff = d_ff or config.d_ff
         self.w_1 = nn.Linear(config.d_model, d_ff)
         self.w_2 = nn.Linear(d_ff, config.d_model)
-        self.activation_dropout = nn.Dropout(config.activation_dropout)  # 0 in the paper
+        self.activation_dropout = Dropout(config.activation_dropout)  # 0 in the paper
         self.activation = torch.relu if config.activation_function == "relu" else nn.functional.silu
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -328,7 +329,7 @@ class EncoderLayer(GradientCheckpointingLayer):
         self.self_attn_norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
         self.feed_forward = PositionwiseFeedForward(config)
         self.feed_forward_norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
-        self.dropout = nn.Dropout(config.dropout)
+        self.dropout = Dropout(config.dropout)
 
     def forward(
         self,
@@ -359,7 +360,7 @@ class DecoderLayer(GradientCheckpointingLayer):
         self.cross_attn_norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
         self.feed_forward = PositionwiseFeedForward(config, config.decoder_d_ff)
         self.feed_forward_norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
-        self.dropout = nn.Dropout(config.dropout)
+        self.dropout = Dropout(config.dropout)
 
     def forward(
         self,
@@ -403,7 +404,7 @@ class Embeddings(nn.Module):
         self.embed_tokens = embed_tokens
         self.embed_scale = math.sqrt(config.d_model) if config.scale_embedding else 1.0
         self.embed_positions = positional_encoding(config)
-        self.dropout = nn.Dropout(config.dropout)
+        self.dropout = Dropout(config.dropout)
 
     def forward(self, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None = None, offset: int = 0):
         """Returns (embedding output before dropout, after dropout), both (B, length, D), for the positions

@@ -36,6 +36,7 @@ REQUIRED_FILES = (
     "compiled_decoding.py",
     "static_decoding.py",
     "skip_padding.py",
+    "dropout.py",
     "errors.py",
     "vocabulary.py",
     "tokenizer.json",
