@@ -208,7 +208,14 @@ def test_freed_memory_goes_back_every_few_steps_and_after_each_evaluation(tmp_pa
 
     from transformers import Seq2SeqTrainingArguments, TrainerControl
 
-    from vaswani_tx.training import ReturnFreedMemory, VaswaniTrainer, _glibc_malloc_trim
+    from vaswani_tx.training import (
+        M_MMAP_MAX,
+        M_TRIM_THRESHOLD,
+        ReturnFreedMemory,
+        VaswaniTrainer,
+        _glibc_malloc_trim,
+        _glibc_mallopt,
+    )
 
     if sys.platform.startswith("linux") and os.path.exists("/lib/x86_64-linux-gnu/libc.so.6"):
         assert _glibc_malloc_trim() is not None and _glibc_malloc_trim()(0) in (0, 1)
@@ -222,6 +229,18 @@ def test_freed_memory_goes_back_every_few_steps_and_after_each_evaluation(tmp_pa
     assert len(trims) == 13
     callback.on_step_end(SimpleNamespace(device=torch.device("meta")), SimpleNamespace(global_step=0), None)
     assert len(trims) == 13  # not a CPU run: nothing to do
+    # While a CPU run trains, large buffers come from glibc's heaps (no fresh mappings, no automatic trimming);
+    # glibc's defaults come back at the end of training.
+    options = []
+    callback.mallopt = lambda parameter, value: options.append((parameter, value)) or 1
+    callback.on_train_begin(SimpleNamespace(device=torch.device("meta")), None, None)
+    assert options == []
+    callback.on_train_begin(cpu, None, TrainerControl())
+    assert options == [(M_MMAP_MAX, 0), (M_TRIM_THRESHOLD, 2**31 - 1)]
+    callback.on_train_end(cpu, None, TrainerControl())
+    assert options[2:] == [(M_MMAP_MAX, 65536), (M_TRIM_THRESHOLD, 128 * 1024)] and len(trims) == 14
+    if _glibc_mallopt() is not None:  # the real call accepts them (1: done)
+        assert _glibc_mallopt()(M_MMAP_MAX, 65536) == 1 and _glibc_mallopt()(M_TRIM_THRESHOLD, 128 * 1024) == 1
     args = Seq2SeqTrainingArguments(
         output_dir=str(tmp_path), warmup_steps=4, lr_scheduler_type="inverse_sqrt", use_cpu=True, report_to="none"
     )
