@@ -15,10 +15,11 @@ This file travels with saved weights for `trust_remote_code` (the model imports 
 from __future__ import annotations
 
 import functools
-import platform
 
 import torch
 from torch import nn
+
+from .compiled_decoding import cpu_vendor
 
 INT32_VALUES = 2**32
 
@@ -29,21 +30,6 @@ def torch_draws_one_at_a_time() -> bool:
     if not torch.backends.mkl.is_available():
         return True
     return cpu_vendor() != "GenuineIntel"
-
-
-@functools.cache
-def cpu_vendor() -> str:
-    """The CPU's vendor string as cpuinfo reads it on Linux ("GenuineIntel", "AuthenticAMD"), else the platform's
-    processor name ("Intel64 Family 6 ..." on Windows counts as Intel)."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as info:
-            for line in info:
-                if line.startswith("vendor_id"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    processor = platform.processor()
-    return "GenuineIntel" if "intel" in processor.lower() else processor
 
 
 def keep_threshold(p: float) -> int:
