@@ -239,8 +239,9 @@ class ReturnFreedMemory(TrainerCallback):
     2 cores (`/usr/bin/time`: 514 million in a full run, 1,061 s of system time against 5,085 s of user time).
     While training, `mallopt` turns glibc's mappings off (`M_MMAP_MAX` 0) and its automatic trimming of the
     heap's top (`M_TRIM_THRESHOLD`), so freed buffers are reused as they are; at the end of training both go back
-    to glibc's defaults. 200 recipe steps: 83.8 against 98.9 s (system time 9 against 34 s, 4.0 against 17.8
-    million page faults, peak resident memory 1.60 against 1.48 GB).
+    to glibc's defaults. The first 400 steps of the recipe: 167.6 against 201.0 s (system time 18 against 69 s,
+    8.3 against 35.9 million page faults, peak resident memory 1.75 against 1.50 GB). A full run of the recipe on an AMD EPYC kept
+    its faults down but was not faster: its steps slow down as it goes for another reason (docs/training.md).
 
     Trimming: token-budget batches change shape every step, and glibc keeps the freed buffers of past shapes in
     its heaps, fragmented, instead of returning them. The Multi30k recipe (2 cores, bf16) grew to 3.4 GB resident
