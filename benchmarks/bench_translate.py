@@ -2,7 +2,7 @@
 CTranslate2 (`translate_batch` on the same weights, exported with `vaswani-tx export-ct2`), in one run.
 
     PYTHONPATH=src .venv/bin/python benchmarks/bench_translate.py runs/multi30k-en-de/averaged \\
-        [--data ../shared/data] [--threads 1 2] [--sets multi30k newstest2013] [--limit N]
+        [--data ../shared/data] [--threads 1 2] [--sets multi30k newstest2013] [--limit N] [--rounds 3]
 
 Sets: Multi30k val (1,014 sentences, the main job's domain) and newstest2013 (3,000, WMT news: out of the main
 job's domain, so its BLEU is low, but its sentences are long, which is what the timing needs).
@@ -30,6 +30,7 @@ import argparse
 import contextlib
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -191,6 +192,9 @@ def main() -> None:
     parser.add_argument("--impls", nargs="+", default=list(IMPLEMENTATIONS), choices=IMPLEMENTATIONS)
     parser.add_argument("--threads", nargs="+", type=int, default=[1, 2])
     parser.add_argument("--limit", type=int, help="the first N sentences of each set only")
+    parser.add_argument(
+        "--rounds", type=int, default=1, help="run each setting's implementations this many times, alternating"
+    )
     parser.add_argument("--results", type=Path, default=RESULTS)
     args = parser.parse_args()
     if args.worker:
@@ -208,7 +212,7 @@ def main() -> None:
         compiled, eager = save_afresh(args.model, Path(tmp))
         for name in args.sets:
             source, reference = (str(args.data / part) for part in SETS[name])
-            for threads in args.threads:
+            for threads, round_ in ((t, r) for t in args.threads for r in range(args.rounds)):
                 for impl in args.impls:  # the implementations of one setting back to back: load hits them alike
                     job = dict(
                         impl=impl,
@@ -222,7 +226,7 @@ def main() -> None:
                         limit=args.limit,
                     )
                     row = run_job(job)
-                    row["load_average"] = round(os.getloadavg()[0], 2)
+                    row["load_average"], row["round"] = round(os.getloadavg()[0], 2), round_
                     rows.append(row)
                     print(
                         f"{name:13} {threads}t {impl:15} {row['sentences_per_s']:7.2f} sent/s {row['tokens_per_s']:8.1f} "
@@ -245,14 +249,21 @@ def print_ratios(rows: list[dict]) -> None:
         "translate-auto": "ct2-int8",
         "translate-int8": "ct2-int8",
     }
-    index = {(r["set"], r["threads"], r["impl"]): r for r in rows}
-    print("\nratio to CTranslate2 (sentences/s; translate-auto and translate-int8 against CTranslate2 int8):")
-    for (name, threads, impl), row in index.items():
-        other = index.get((name, threads, peer.get(impl, "")))
-        if other:
+    runs: dict[tuple, list[dict]] = {}
+    for row in rows:
+        runs.setdefault((row["set"], row["threads"], row["impl"]), []).append(row)
+    print(
+        "\nratio to CTranslate2 (sentences/s; the median of the rounds' ratios, each round's in brackets; "
+        "translate-auto and translate-int8 against CTranslate2 int8):"
+    )
+    for (name, threads, impl), mine in runs.items():
+        theirs = runs.get((name, threads, peer.get(impl, "")))
+        if theirs:
+            ratios = [a["sentences_per_s"] / b["sentences_per_s"] for a, b in zip(mine, theirs)]
+            rounds = ", ".join(f"{ratio:.2f}" for ratio in ratios)
             print(
-                f"{name:13} {threads}t {impl:15} {row['sentences_per_s'] / other['sentences_per_s']:.2f}x "
-                f"{other['impl']}  (BLEU {row['bleu']:.2f} vs {other['bleu']:.2f})"
+                f"{name:13} {threads}t {impl:15} {statistics.median(ratios):.2f}x "
+                f"{theirs[0]['impl']} [{rounds}]  (BLEU {mine[0]['bleu']:.2f} vs {theirs[0]['bleu']:.2f})"
             )
 
 

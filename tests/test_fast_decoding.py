@@ -211,6 +211,79 @@ def test_onednn_packs_the_whole_projection_once_for_any_number_of_rows(monkeypat
     assert fast_decoding.PackedProjection.of(model, 4).backend == "mkl"
 
 
+def test_onednn_projects_many_rows_a_block_at_a_time_into_the_kept_buffer(monkeypatch):
+    """Logits above FRESH_BYTES come from oneDNN's product a block of rows at a time, into the call's buffer (never a
+    fresh tensor that size), raw or through the log-softmax beam search asks for; beam search's ids stay
+    transformers' own. Sizes shrunk so that the tiny model's rows take that path."""
+    if not compiled_decoding.onednn_linear_available():
+        pytest.skip("torch without oneDNN's inner product")
+    monkeypatch.setenv(compiled_decoding.GEMM_VARIABLE, "onednn")
+    model = tiny_model(seed=4)  # no fixed logit bias: the log-softmax is taken block by block
+    weight = model.lm_head.weight
+    row_bytes = weight.shape[0] * weight.element_size()
+    monkeypatch.setattr(fast_decoding, "FRESH_BYTES", 3 * row_bytes)
+    monkeypatch.setattr(fast_decoding, "ONEDNN_BLOCK_BYTES", 2 * row_bytes)
+    blocks = []
+    original = fast_decoding.onednn_linear
+
+    def counting(rows, packed, bias):
+        if packed is projection.packed.packed:  # the projection's products, not the decoder layers'
+            blocks.append(rows.shape[0])
+        return original(rows, packed, bias)
+
+    monkeypatch.setattr(fast_decoding, "onednn_linear", counting)
+    projection = fast_decoding.Projection.of(model, 12)
+    assert projection.packed is not None and projection.packed.backend == "onednn"
+    hidden = torch.randn(7, model.config.d_model)
+    logits = projection(hidden)
+    assert blocks == [2, 2, 2, 1] and logits.data_ptr() == projection.buffer.data_ptr()
+    torch.testing.assert_close(logits, model.lm_head(hidden))
+    log_probs = projection(hidden, log_softmax=True)
+    assert log_probs.data_ptr() == projection.buffer.data_ptr()
+    torch.testing.assert_close(log_probs, model.lm_head(hidden).log_softmax(-1))
+    blocks.clear()
+    assert projection(hidden[:3]).data_ptr() != projection.buffer.data_ptr() and blocks == [3]  # small: one product
+    ids, mask = batch(lengths=(7, 4, 6, 5))
+    ending = LogitsProcessorList([EndsAtPerSource([3, 6, 2, 5])])
+    blocks.clear()
+    fast, stock = both(model, input_ids=ids, attention_mask=mask, num_beams=3, logits_processor=ending)
+    assert torch.equal(fast, stock)
+    assert blocks.count(2) >= 6 and max(blocks) <= 3  # 12 rows: six blocks a step; up to 3 rows: one product
+
+
+def test_the_encoder_runs_through_onednn_where_it_is_chosen(monkeypatch):
+    """generate()'s encoder pass (and the compiled step's encoder-decoder keys and values) take oneDNN's product on
+    the weights as they are where oneDNN is chosen and the batch holds enough tokens; the layers' own forward is
+    back afterwards, and nothing changes with gradients on or oneMKL chosen."""
+    if not compiled_decoding.onednn_linear_available():
+        pytest.skip("torch without oneDNN's inner product")
+    model = tiny_model(seed=2)
+    ids, mask = batch(lengths=(7, 4, 6))
+    encoder_layers = {id(m.weight) for m in model.get_encoder().modules() if type(m) is torch.nn.Linear}
+    seen = []
+    original = fast_decoding.onednn_linear
+
+    def spying(rows, weight, bias):
+        seen.append(id(weight))
+        return original(rows, weight, bias)
+
+    monkeypatch.setattr(fast_decoding, "onednn_linear", spying)
+    monkeypatch.setattr(fast_decoding, "UNPACKED_ONEDNN_MIN_ROWS", ids.numel())
+    monkeypatch.setenv(compiled_decoding.GEMM_VARIABLE, "mkl")
+    expected = model.generate(input_ids=ids, attention_mask=mask, num_beams=2, fast_decoding=False)
+    assert not seen
+    monkeypatch.setenv(compiled_decoding.GEMM_VARIABLE, "onednn")
+    fast, stock = both(model, input_ids=ids, attention_mask=mask, num_beams=2)
+    assert encoder_layers <= set(seen)
+    assert torch.equal(fast, stock) and torch.equal(stock, expected)
+    assert all("forward" not in vars(m) for m in model.modules())
+    seen.clear()
+    model.generate(input_ids=ids[:, :-1], attention_mask=mask[:, :-1], num_beams=2, fast_decoding=False)
+    assert not encoder_layers & set(seen)  # fewer tokens than the threshold: oneMKL's product
+    with torch.enable_grad(), fast_decoding.unpacked_onednn_products(model.get_encoder(), 10**6):
+        assert all("forward" not in vars(m) for m in model.modules())
+
+
 def test_onednn_runs_the_decoders_linear_layers_on_packed_weights(monkeypatch):
     """`PackedLinears` replaces the product of each float32 `nn.Linear` of the decoder while installed (every step
     of a call that packs, whatever its rows), and only then: the same outputs to float32 rounding, the layers' own

@@ -21,9 +21,11 @@ maxima first), so the output ids are transformers' own. What they save, per step
   inner product (`PackedProjection`, `PackedLinears`), and calls of 2-63 rows decode eagerly on them rather
   than through the compiled step (`packs_beat_compiled`), whose products there are oneDNN's on unpacked weights;
   the plain weights' pages then go back to the file they were read from (`release_file_pages`), so that the
-  process does not hold each weight twice;
+  process does not hold each weight twice; logits of many rows come from oneDNN a block of rows at a time, and
+  the encoder's products (run once a call) are oneDNN's on the weights as they are (`unpacked_onednn_products`);
 - the logits: no float32 copy of them, very large ones written into a buffer kept for the call (a fresh tensor
-  above 32 MiB costs page faults every step) and beam search's log-softmax written over them, and the processors
+  above 32 MiB costs page faults every step) and beam search's log-softmax written over them (as each block of
+  rows is written, where the projection goes a block at a time), and the processors
   that would rewrite all of them to mask a few columns (minimum lengths, suppressed tokens) mask those columns in
   place;
 - finished sentences leave the decoder's batch (transformers decodes them to the end of the batch's longest),
@@ -286,6 +288,27 @@ class OneDNNForward:
         return rows.view(*hidden.shape[:-1], -1)
 
 
+# From this many rows (a batch's source tokens) oneDNN's product on the weights as they are beats oneMKL's where
+# oneDNN is chosen: the main job's encoder shapes on an AMD EPYC, one thread, 1,024-3,500 rows: 13-26% less time
+# (256 x 1,024 at 3,500 rows: 17.7 against 24.0 ms); at 64 rows within 5%, below it oneMKL's is the faster.
+UNPACKED_ONEDNN_MIN_ROWS = 256
+
+
+def unpacked_onednn_products(module: nn.Module, rows: int):
+    """While the block runs, the float32 `nn.Linear` layers under `module` compute through oneDNN's inner product
+    on their weights as they are (no packed copy: run once a call, as the encoder and the encoder-decoder keys and
+    values are), where oneDNN is chosen (`gemm_backend`), gradients are off and the product has `rows` rows or
+    more; otherwise nothing changes. The same outputs to float32 rounding."""
+    if rows < UNPACKED_ONEDNN_MIN_ROWS or torch.is_grad_enabled() or gemm_backend() != "onednn":
+        return contextlib.nullcontext()
+    layers = [
+        (layer, OneDNNForward(layer.weight, layer.bias))
+        for layer in module.modules()
+        if type(layer) is nn.Linear and layer.weight.device.type == "cpu" and layer.weight.dtype == torch.float32
+    ]
+    return forwards_installed(layers)
+
+
 @contextlib.contextmanager
 def forwards_installed(layers: list[tuple[nn.Module, OneDNNForward]]):
     """Each module's forward replaced by its given one while the block runs, the module's own again after."""
@@ -338,18 +361,32 @@ class PackedProjection:
         """Whether all of W is packed (then the logits are oneMKL's own tensor, and `out` is not needed)."""
         return self.split == self.weight.shape[0]
 
-    def __call__(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """The logits (..., V); where W is packed in part, written into `out` (rows, V) when given."""
+    def __call__(
+        self, hidden: torch.Tensor, out: torch.Tensor | None = None, log_softmax: bool = False
+    ) -> torch.Tensor:
+        """The logits (..., V), or their log-softmax; where W is packed in part, or by oneDNN, written into `out`
+        (rows, V) when given."""
         rows = hidden.reshape(-1, hidden.shape[-1])
         split, weight = self.split, self.weight
+        if self.backend == "onednn" and out is not None:
+            # oneDNN's product has no `out`: a block of rows at a time, each block's fresh logits small enough
+            # for glibc's heaps (FRESH_BYTES), written into `out` (through the log-softmax) while still in the cache
+            block = max(1, ONEDNN_BLOCK_BYTES // (weight.shape[0] * weight.element_size()))
+            for start in range(0, rows.shape[0], block):
+                logits = onednn_linear(rows[start : start + block], self.packed, None)
+                if log_softmax:
+                    torch.ops.aten._log_softmax.out(logits, -1, False, out=out[start : start + block])
+                else:
+                    out[start : start + block] = logits
+            return out.view(*hidden.shape[:-1], -1)
         if self.backend == "onednn":
-            return onednn_linear(rows, self.packed, None).view(*hidden.shape[:-1], -1)
+            return in_log_space(onednn_linear(rows, self.packed, None), log_softmax).view(*hidden.shape[:-1], -1)
         logits = torch.ops.mkl._mkl_linear(rows, self.packed, weight[:split], None, self.rows)
         if not self.whole:
             head, logits = logits, out if out is not None else rows.new_empty(rows.shape[0], weight.shape[0])
             logits[:, :split] = head
             logits[:, split:] = torch.mm(rows, weight[split:].t())
-        return logits.view(*hidden.shape[:-1], -1)
+        return in_log_space(logits, log_softmax).view(*hidden.shape[:-1], -1)
 
     @classmethod
     def of(cls, model: nn.Module, rows: int):
@@ -451,9 +488,21 @@ PACK_FEW_ROWS_SHARE = 0.75
 FRESH_BYTES = 32 * 2**20
 
 
+# oneDNN's product of many rows a block of logits of this size at a time (`PackedProjection`): under FRESH_BYTES, so
+# glibc serves each from its heaps after the first. Multi30k's 1,200-1,800 rows x 8,000 (one thread, AMD EPYC): 60-95
+# ms against oneMKL's 87-130 into the kept buffer, the log-softmax included.
+ONEDNN_BLOCK_BYTES = 16 * 2**20
+
+
+def in_log_space(logits: torch.Tensor, log_softmax: bool) -> torch.Tensor:
+    """The logits, or their log-softmax over the vocabulary written over them (rows, V)."""
+    return torch.ops.aten._log_softmax.out(logits, -1, False, out=logits) if log_softmax else logits
+
+
 class Projection:
     """x W^T for the pre-softmax matrix W (V, D) (Section 3.4), one call of `generate()` long: through
-    `PackedProjection` for the number of rows it packed (between `PACK_MIN_ROWS` and logits of `FRESH_BYTES`),
+    `PackedProjection` for the number of rows it packed (oneMKL's: between `PACK_MIN_ROWS` and logits of
+    `FRESH_BYTES`; oneDNN's: any, logits above `FRESH_BYTES` a block of rows at a time into the kept buffer),
     otherwise torch's product of x and W^T written into a buffer reused from step to step (the same GEMM as
     `nn.Linear`, bit for bit). The logits returned are valid until the next call."""
 
@@ -461,17 +510,19 @@ class Projection:
         self.weight, self.packed = weight, packed
         self.buffer: torch.Tensor | None = None
 
-    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+    def __call__(self, hidden: torch.Tensor, log_softmax: bool = False) -> torch.Tensor:
+        """The logits (..., V), or their log-softmax (written over them: beam search's scores)."""
         rows = hidden.reshape(-1, hidden.shape[-1])
         packed = self.packed is not None and self.packed.serves(rows.shape[0])
-        if packed and self.packed.whole:
-            return self.packed(hidden)
+        fresh = rows.shape[0] * self.weight.shape[0] * self.weight.element_size() <= FRESH_BYTES
+        if packed and self.packed.whole and fresh:
+            return self.packed(hidden, log_softmax=log_softmax)
         if self.buffer is None or self.buffer.shape[0] < rows.shape[0]:
             self.buffer = rows.new_empty(rows.shape[0], self.weight.shape[0])
         if packed:
-            return self.packed(hidden, out=self.buffer[: rows.shape[0]])
+            return self.packed(hidden, out=self.buffer[: rows.shape[0]], log_softmax=log_softmax)
         logits = torch.mm(rows, self.weight.t(), out=self.buffer[: rows.shape[0]])
-        return logits.view(*hidden.shape[:-1], -1)
+        return in_log_space(logits, log_softmax).view(*hidden.shape[:-1], -1)
 
     @classmethod
     def of(cls, model: nn.Module, rows: int, pack: bool = True):
@@ -481,8 +532,10 @@ class Projection:
         weight = float32_head(model)
         if weight is None:
             return None
-        fewest = 1 if gemm_backend() == "onednn" else PACK_MIN_ROWS  # oneDNN's beats oneMKL's at any rows there
-        packs = pack and rows >= fewest and rows * weight.shape[0] * weight.element_size() <= FRESH_BYTES
+        # oneDNN's beats oneMKL's at any rows there, many a block at a time; oneMKL's packing takes only `rows`
+        onednn = gemm_backend() == "onednn"
+        fresh = rows * weight.shape[0] * weight.element_size() <= FRESH_BYTES
+        packs = pack and rows >= (1 if onednn else PACK_MIN_ROWS) and (fresh or onednn)
         return cls(weight, PackedProjection.of(model, rows) if packs else None)
 
 
@@ -637,10 +690,10 @@ class DecodingSession:
         # packed only for calls that will use them (a copy of the decoder's weights)
         self.linears = PackedLinears.of(model) if encoder_output.shape[0] >= PackedLinears.min_rows() else None
 
-    def step(self, tokens: torch.Tensor) -> torch.Tensor:
+    def step(self, tokens: torch.Tensor, log_softmax: bool = False) -> torch.Tensor:
         """Logits of the position after `tokens` (rows, T): the new positions (all of the decoder's prefix at the
-        first step, one token after that)."""
-        return logits_of(self, self.hidden(tokens))
+        first step, one token after that); their log-softmax with `log_softmax`."""
+        return logits_of(self, self.hidden(tokens), log_softmax)
 
     def hidden(self, tokens: torch.Tensor) -> torch.Tensor:
         """The decoder's output (rows, d_model) at the position after `tokens`, before the projection."""
@@ -668,13 +721,16 @@ class DecodingSession:
         self.cache.self_attention_cache.select_rows(rows)
 
 
-def logits_of(session, hidden: torch.Tensor) -> torch.Tensor:
+def logits_of(session, hidden: torch.Tensor, log_softmax: bool = False) -> torch.Tensor:
     """A session's logits (rows, V), float32, for the decoder's output at the new position: its projection, plus
-    Marian's fixed bias where the model has one; the model's own `project` where the projection does not apply."""
+    Marian's fixed bias where the model has one; the model's own `project` where the projection does not apply.
+    With `log_softmax` their log-softmax (Section 3.4's softmax, in log space), written over them: computed block
+    by block as the projection writes them where it can (`PackedProjection`), while they are still in the cache."""
     if session.projection is None:
-        return session.model.project(hidden).float()
-    logits = session.projection(hidden)
-    return logits.add_(session.final_bias) if session.final_bias is not None else logits
+        return in_log_space(session.model.project(hidden).float(), log_softmax)
+    if session.final_bias is None:
+        return session.projection(hidden, log_softmax=log_softmax)
+    return in_log_space(session.projection(hidden).add_(session.final_bias), log_softmax)
 
 
 def open_session(
@@ -752,13 +808,14 @@ class CompiledSession:
         # The encoder-decoder keys and values, once per source, by the model's own attention modules.
         self.cross = SourceKeysValues(config.num_decoder_layers)
         for index, layer in enumerate(model.get_decoder().layers):
-            self.cross.update(*layer.cross_attn.keys_values(self.sources), index)
+            with unpacked_onednn_products(layer.cross_attn, int(self.source_mask.numel())):
+                self.cross.update(*layer.cross_attn.keys_values(self.sources), index)
         self.slots = PositionSlots(config.num_decoder_layers)
         self.projection = projection
         self.final_bias = getattr(model, "final_logits_bias", None) if config.final_logits_bias else None
 
-    def step(self, tokens: torch.Tensor) -> torch.Tensor:
-        return logits_of(self, self.hidden(tokens))
+    def step(self, tokens: torch.Tensor, log_softmax: bool = False) -> torch.Tensor:
+        return logits_of(self, self.hidden(tokens), log_softmax)
 
     def hidden(self, tokens: torch.Tensor) -> torch.Tensor:
         groups = self.sources.shape[0]
@@ -1063,15 +1120,15 @@ def top_k_continuations(
     return topk_log_probs, topk_running_sequences, topk_running_beam_indices
 
 
-def first_step(session, tokens: torch.Tensor, num_beams: int) -> torch.Tensor:
+def first_step(session, tokens: torch.Tensor, num_beams: int, log_softmax: bool = False) -> torch.Tensor:
     """The first step's logits (rows, V) for the k beams of each source, decoded from one row per source: the beams
     of a source start from the same prefix, so their keys, values and logits are the same (transformers' loop
     decodes all k). The cache then holds k copies of each row. Rows whose beams start apart are decoded whole."""
     sources = tokens.shape[0] // num_beams
     prefixes = tokens.view(sources, num_beams, -1)
     if num_beams == 1 or not bool((prefixes == prefixes[:, :1]).all()):
-        return session.step(tokens)
-    logits = session.step(tokens[::num_beams])
+        return session.step(tokens, log_softmax)
+    logits = session.step(tokens[::num_beams], log_softmax)
     session.reorder(torch.arange(sources, device=tokens.device).repeat_interleave(num_beams))
     return logits.repeat_interleave(num_beams, dim=0)
 
@@ -1127,12 +1184,17 @@ def beam_search(model, input_ids, logits_processor, stopping_criteria, generatio
     active = torch.arange(batch_size, device=device)  # the bookkeeping's sources still decoded
     active_rows = None  # their rows, source-major (None: all)
     while True:
-        logits = first_step(session, tokens, num_beams) if cur_len == decoder_prompt_len else session.step(tokens)
+        # Narrowing, the logits are not needed after this step: their log-softmax is written over them, a block of
+        # rows at a time as the projection makes them where it can
+        if cur_len == decoder_prompt_len:
+            logits = first_step(session, tokens, num_beams, log_softmax=narrowing)
+        else:
+            logits = session.step(tokens, log_softmax=narrowing)
         if active_rows is not None:  # a finished source's rows keep their last logits: it cannot change any more
             logits = scores.index_copy_(0, active_rows, logits)
         scores = logits
-        if narrowing:  # the logits are not needed after this step: the log-softmax overwrites them
-            log_probs = torch.ops.aten._log_softmax.out(logits, -1, False, out=logits)
+        if narrowing:
+            log_probs = logits
         else:  # a finished source's rows keep their logits (above): into one buffer for the call instead (a fresh
             # (rows, V) tensor each step costs page faults, see FRESH_BYTES)
             if (
