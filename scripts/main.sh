@@ -3,7 +3,8 @@
 # on 2 idle cores, measured in docs/training.md), average its last 30 checkpoints (Section 6.1), compile its decoding step
 # (20-60 s, docs/speed.md), score the averaged model on the whole val
 # set with sacreBLEU (signature printed) and on val's held-aside half, and translate a few sentences.
-# Run it again after stopping it: training resumes from the last checkpoint instead of starting over.
+# Run it again after stopping it (Ctrl-C, or SIGINT / SIGTERM sent to this script: the running step stops too):
+# training resumes from the last checkpoint instead of starting over.
 # Extra arguments are key=value overrides of configs/train/multi30k-en-de.yaml (e.g. max_steps=200).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -13,12 +14,16 @@ CONFIG=configs/train/multi30k-en-de.yaml
 RUN=runs/multi30k-en-de                      # output_dir of $CONFIG
 DATA=../shared/data/multi30k-en-de
 VX=.venv/bin/vaswani-tx
+# Each step through `forwarding`: an interrupt of this script (Ctrl-C, kill, a scheduler's SIGTERM) stops the step
+# too, where bash alone would wait for it or leave it running.
+source scripts/forward_signals.sh
 
-$VX train "$CONFIG" --resume "$@"   # ends by averaging the last 30 checkpoints into $RUN/averaged (average_last)
-$VX compile "$RUN/averaged" ||       # its decoding step compiled ahead of time: every later process decodes faster
+forwarding $VX train "$CONFIG" --resume "$@"   # ends by averaging the last 30 checkpoints into $RUN/averaged
+forwarding $VX compile "$RUN/averaged" ||       # its decoding step compiled ahead of time: later processes decode faster
     echo "(no compiled decoding step: the model decodes eagerly, with the same translations)"
 echo "== val (all $(wc -l < "$DATA/val.en") sentences), averaged model, its saved decoding settings:"
-$VX evaluate "$RUN/averaged" --source "$DATA/val.en" --reference "$DATA/val.de" --output-dir "$RUN/averaged" --force
+forwarding $VX evaluate "$RUN/averaged" --source "$DATA/val.en" --reference "$DATA/val.de" --output-dir "$RUN/averaged" \
+    --force
 # Val in two halves (docs/training.md): levers are chosen on the first (tuning) half, the second is reported.
 HALF=$(( ($(wc -l < "$DATA/val.en") + 1) / 2 ))
 for side in en de; do
@@ -26,10 +31,10 @@ for side in en de; do
     tail -n +"$((HALF + 1))" "$DATA/val.$side" > "$RUN/val-held.$side"
 done
 echo "== val's held-aside half (lines $((HALF + 1))-$(wc -l < "$DATA/val.en"), no choice made on it; lowercased beside cased):"
-$VX evaluate "$RUN/averaged" --source "$RUN/val-held.en" --reference "$RUN/val-held.de" --output-dir "$RUN/averaged" \
-    --name val-held --force
+forwarding $VX evaluate "$RUN/averaged" --source "$RUN/val-held.en" --reference "$RUN/val-held.de" \
+    --output-dir "$RUN/averaged" --name val-held --force
 echo "== a few sentences:"
-$VX translate "$RUN/averaged" "A man in a blue shirt is riding a bike down the street." \
+forwarding $VX translate "$RUN/averaged" "A man in a blue shirt is riding a bike down the street." \
     "Two dogs are playing in the snow." "A little girl is reading a book on a bench." \
     "A group of people are standing in front of a building."
 echo "== training and dev curves: $RUN/curves.png"

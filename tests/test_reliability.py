@@ -491,3 +491,48 @@ def test_an_interrupted_average_leaves_the_earlier_one(ws, tmp_path, monkeypatch
     with pytest.raises(KeyboardInterrupt):
         average_checkpoints([ws / "model", ws / "model"], out)
     assert tree_hash(out) == before and leftovers(tmp_path) == []
+
+
+STEP = """
+import signal, sys, time
+marker = sys.argv[1]
+def stop(signum, frame):
+    time.sleep(0.3)  # a step that takes a moment to stop (a checkpoint being written)
+    open(marker, "a").write(signal.Signals(signum).name + "\\n")
+    sys.exit(130)
+signal.signal(signal.SIGTERM, stop)
+open(marker, "w").write("started\\n")
+time.sleep(60)
+"""
+
+
+@pytest.mark.parametrize("sent, status", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_an_interrupt_of_the_main_script_stops_its_running_step(tmp_path, sent, status):
+    """scripts/main.sh runs each step through `forwarding` (scripts/forward_signals.sh): SIGINT or SIGTERM sent to
+    the script reaches the step as SIGTERM (what `vaswani-tx` takes as Ctrl-C), the script waits for the step to
+    stop and exits, running nothing after it. Bash alone would wait for the step (SIGINT) or leave it running
+    (SIGTERM)."""
+    step, marker, after = tmp_path / "step.py", tmp_path / "marker", tmp_path / "after"
+    step.write_text(STEP)
+    script = (
+        f"set -euo pipefail; source {REPO / 'scripts' / 'forward_signals.sh'}; "
+        f"forwarding {sys.executable} {step} {marker}; touch {after}"
+    )
+    process = subprocess.Popen(["bash", "-c", script])
+    deadline = time.monotonic() + 30
+    while not marker.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    process.send_signal(sent)
+    assert process.wait(timeout=30) == status
+    assert marker.read_text().split() == ["started", "SIGTERM"]  # stopped by its own handler, before the script
+    assert not after.exists()
+
+
+def test_the_main_script_passes_on_each_steps_exit_status_and_runs_every_step_through_forwarding():
+    """Without a signal `forwarding` returns the step's exit status (so `set -e` and `||` act on it as before); every
+    `vaswani-tx` command of scripts/main.sh goes through it."""
+    script = f"source {REPO / 'scripts' / 'forward_signals.sh'}; forwarding {sys.executable} -c 'exit(3)' || echo $?"
+    assert subprocess.run(["bash", "-c", script], capture_output=True, text=True).stdout.strip() == "3"
+    lines = (REPO / "scripts" / "main.sh").read_text().splitlines()
+    steps = [line for line in lines if "$VX " in line and not line.lstrip().startswith("#")]
+    assert len(steps) == 5 and all(line.startswith("forwarding $VX ") for line in steps)
