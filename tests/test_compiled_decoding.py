@@ -164,7 +164,8 @@ def test_the_other_gemm_librarys_step(tmp_path, monkeypatch, caplog):
     """The step compiled with the other GEMM library than this machine's choice (oneDNN's products on the model's own
     weights, or oneMKL's): the manifest says which, it gives the eager and transformers' ids, and a process that
     chooses the other library decodes eagerly after one line saying so. Where oneDNN is chosen, calls of 2 to 63 rows
-    decode eagerly on packed weights, and calls of one row or of 64 and more through the step."""
+    on one thread decode eagerly on packed weights, and calls of one row or of 64 and more, or on more threads,
+    through the step."""
     if not compiled_decoding.onednn_linear_available():
         pytest.skip("torch without oneDNN's inner product")
     here = compiled_decoding.gemm_backend()
@@ -181,15 +182,21 @@ def test_the_other_gemm_librarys_step(tmp_path, monkeypatch, caplog):
     monkeypatch.setattr(
         compiled_decoding.CompiledStep, "__call__", lambda self, *a: ran.append(1) or original(self, *a)
     )
-    for rows, beams in ((1, 1), (1, 3), (4, 1), (4, 2), (4, 16)):
-        ids, mask = batch(seed=rows + beams, lengths=(7, 4, 6, 2)[:rows])
-        kwargs = dict(input_ids=ids, attention_mask=mask, num_beams=beams, max_new_tokens=12)
-        ran.clear()
-        out = model.generate(**kwargs)
-        assert torch.equal(out, eager.generate(**kwargs)) and torch.equal(
-            out, model.generate(fast_decoding=False, **kwargs)
-        )
-        assert bool(ran) == (other == "mkl" or not 1 < rows * beams < fast_decoding.PACKS_MAX_ROWS)
+    threads = torch.get_num_threads()
+    try:
+        for rows, beams, torch_threads in ((1, 1, 1), (1, 3, 1), (4, 1, 1), (4, 2, 1), (4, 16, 1), (4, 2, 2)):
+            torch.set_num_threads(torch_threads)
+            ids, mask = batch(seed=rows + beams, lengths=(7, 4, 6, 2)[:rows])
+            kwargs = dict(input_ids=ids, attention_mask=mask, num_beams=beams, max_new_tokens=12)
+            ran.clear()
+            out = model.generate(**kwargs)
+            assert torch.equal(out, eager.generate(**kwargs)) and torch.equal(
+                out, model.generate(fast_decoding=False, **kwargs)
+            )
+            few = 1 < rows * beams < fast_decoding.PACKS_MAX_ROWS
+            assert bool(ran) == (other == "mkl" or not few or torch_threads > 1)
+    finally:
+        torch.set_num_threads(threads)
     monkeypatch.setenv(compiled_decoding.GEMM_VARIABLE, here)
     with caplog.at_level(logging.WARNING, logger="vaswani_tx.compiled_decoding"):
         assert VaswaniForConditionalGeneration.from_pretrained(folder)._compiled_step is None

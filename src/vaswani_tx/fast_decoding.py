@@ -18,8 +18,9 @@ maxima first), so the output ids are transformers' own. What they save, per step
   computes in float32 only the columns that can hold it (`ScreenedArgmax`);
 - on x86 CPUs other than Intel's, where oneMKL's float32 products take slow code paths at a few rows, the products
   are oneDNN's instead (`gemm_backend`, CTranslate2's rule): W and the decoder's layers are packed once for oneDNN's
-  inner product (`PackedProjection`, `PackedLinears`), and calls of 2-63 rows decode eagerly on them rather
-  than through the compiled step (`packs_beat_compiled`), whose products there are oneDNN's on unpacked weights;
+  inner product (`PackedProjection`, `PackedLinears`), and calls of 2-63 rows on one thread decode eagerly on them
+  rather than through the compiled step (`packs_beat_compiled`), whose products there are oneDNN's on unpacked
+  weights;
   the plain weights' pages then go back to the file they were read from (`release_file_pages`), so that the
   process does not hold each weight twice; logits of many rows come from oneDNN a block of rows at a time, and
   the encoder's products (run once a call) are oneDNN's on the weights as they are (`unpacked_onednn_products`);
@@ -751,8 +752,11 @@ def packs_beat_compiled(model: nn.Module, rows: int) -> bool:
     chosen. There packing pays most (at 4 rows oneDNN's product on packed weights takes 41 us for 512 x 512 where the
     unpacked one takes 70, 100 against 220 for 2,048 x 512; base shape, one thread). With more rows the two are
     within 5-15% of each other, and the compiled step's fused attention and norms win: the main job's model on
-    Multi30k val (beam 6, hundreds of rows) decodes 7-12% faster through it (docs/speed.md)."""
-    return 2 <= rows < PACKS_MAX_ROWS and PackedLinears.of(model) is not None
+    Multi30k val (beam 6, hundreds of rows) decodes 7-12% faster through it (docs/speed.md). On one thread only:
+    with more, the products' time is shared by the threads and the eager step's Python is not, and the compiled
+    step has none (base shape, AMD EPYC, 2 threads: beam 4 batch 1 70-74 tokens/s against 53-62 eagerly on the
+    packed weights, greedy batch 8 465-532 against 389-507; one thread, beam 4 batch 1: 41-50 against 53-55)."""
+    return torch.get_num_threads() == 1 and 2 <= rows < PACKS_MAX_ROWS and PackedLinears.of(model) is not None
 
 
 PACKS_MAX_ROWS = 64
