@@ -259,13 +259,7 @@ class PackedLinears:
         CPU, no float32 `nn.Linear` layers: an int8 model's are quantized)."""
         if gemm_backend() != "onednn":
             return None
-        modules = [
-            module
-            for module in model.get_decoder().modules()
-            if type(module) is nn.Linear
-            and module.weight.device.type == "cpu"
-            and module.weight.dtype == torch.float32
-        ]
+        modules = float32_cpu_linears(model.get_decoder())
         if not modules:
             return None
         entry = _LINEARS.get(model)
@@ -273,6 +267,16 @@ class PackedLinears:
             _LINEARS.pop(model, None)  # one packing in memory at a time
             entry = _LINEARS[model] = cls(modules)
         return entry
+
+
+def float32_cpu_linears(module: nn.Module) -> list[nn.Linear]:
+    """The plain float32 `nn.Linear` layers on the CPU under `module` (not an int8 model's quantized ones): those
+    whose product oneDNN can take over."""
+    return [
+        layer
+        for layer in module.modules()
+        if type(layer) is nn.Linear and layer.weight.device.type == "cpu" and layer.weight.dtype == torch.float32
+    ]
 
 
 class OneDNNForward:
@@ -302,12 +306,9 @@ def unpacked_onednn_products(module: nn.Module, rows: int):
     more; otherwise nothing changes. The same outputs to float32 rounding."""
     if rows < UNPACKED_ONEDNN_MIN_ROWS or torch.is_grad_enabled() or gemm_backend() != "onednn":
         return contextlib.nullcontext()
-    layers = [
-        (layer, OneDNNForward(layer.weight, layer.bias))
-        for layer in module.modules()
-        if type(layer) is nn.Linear and layer.weight.device.type == "cpu" and layer.weight.dtype == torch.float32
-    ]
-    return forwards_installed(layers)
+    return forwards_installed(
+        [(layer, OneDNNForward(layer.weight, layer.bias)) for layer in float32_cpu_linears(module)]
+    )
 
 
 @contextlib.contextmanager
@@ -495,6 +496,11 @@ FRESH_BYTES = 32 * 2**20
 ONEDNN_BLOCK_BYTES = 16 * 2**20
 
 
+def fits_fresh(rows: int, weight: torch.Tensor) -> bool:
+    """Whether `rows` rows of logits over W's vocabulary are small enough for a fresh tensor (`FRESH_BYTES`)."""
+    return rows * weight.shape[0] * weight.element_size() <= FRESH_BYTES
+
+
 def in_log_space(logits: torch.Tensor, log_softmax: bool) -> torch.Tensor:
     """The logits, or their log-softmax over the vocabulary written over them (rows, V)."""
     return torch.ops.aten._log_softmax.out(logits, -1, False, out=logits) if log_softmax else logits
@@ -515,8 +521,7 @@ class Projection:
         """The logits (..., V), or their log-softmax (written over them: beam search's scores)."""
         rows = hidden.reshape(-1, hidden.shape[-1])
         packed = self.packed is not None and self.packed.serves(rows.shape[0])
-        fresh = rows.shape[0] * self.weight.shape[0] * self.weight.element_size() <= FRESH_BYTES
-        if packed and self.packed.whole and fresh:
+        if packed and self.packed.whole and fits_fresh(rows.shape[0], self.weight):
             return self.packed(hidden, log_softmax=log_softmax)
         if self.buffer is None or self.buffer.shape[0] < rows.shape[0]:
             self.buffer = rows.new_empty(rows.shape[0], self.weight.shape[0])
@@ -535,8 +540,7 @@ class Projection:
             return None
         # oneDNN's beats oneMKL's at any rows there, many a block at a time; oneMKL's packing takes only `rows`
         onednn = gemm_backend() == "onednn"
-        fresh = rows * weight.shape[0] * weight.element_size() <= FRESH_BYTES
-        packs = pack and rows >= (1 if onednn else PACK_MIN_ROWS) and (fresh or onednn)
+        packs = pack and rows >= (1 if onednn else PACK_MIN_ROWS) and (onednn or fits_fresh(rows, weight))
         return cls(weight, PackedProjection.of(model, rows) if packs else None)
 
 
