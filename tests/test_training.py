@@ -230,7 +230,7 @@ def test_freed_memory_goes_back_every_few_steps_and_after_each_evaluation(tmp_pa
     callback.on_step_end(SimpleNamespace(device=torch.device("meta")), SimpleNamespace(global_step=0), None)
     assert len(trims) == 13  # not a CPU run: nothing to do
     # While a CPU run trains, large buffers come from glibc's heaps (no fresh mappings, no automatic trimming);
-    # glibc's defaults come back at the end of training.
+    # glibc's default values come back at the end of training.
     options = []
     callback.mallopt = lambda parameter, value: options.append((parameter, value)) or 1
     callback.on_train_begin(SimpleNamespace(device=torch.device("meta")), None, None)

@@ -238,8 +238,10 @@ class ReturnFreedMemory(TrainerCallback):
     65 MB each in float32) fault all their pages in afresh: 88,000 page faults a step in the Multi30k recipe on
     2 cores (`/usr/bin/time`: 514 million in a full run, 1,061 s of system time against 5,085 s of user time).
     While training, `mallopt` turns glibc's mappings off (`M_MMAP_MAX` 0) and its automatic trimming of the
-    heap's top (`M_TRIM_THRESHOLD`), so freed buffers are reused as they are; at the end of training both go back
-    to glibc's defaults. The first 400 steps of the recipe: 167.6 against 201.0 s (system time 18 against 69 s,
+    heap's top (`M_TRIM_THRESHOLD`), so freed buffers are reused as they are; at the end of training both take
+    glibc's default values again. One thing does not come back: setting either with `mallopt` ends glibc's dynamic
+    mmap threshold (raised to the size of each mapped buffer freed) for the rest of the process, so a later large
+    buffer is mapped afresh whatever came before (more page faults, less memory held). The first 400 steps of the recipe: 167.6 against 201.0 s (system time 18 against 69 s,
     8.3 against 35.9 million page faults, peak resident memory 1.75 against 1.50 GB). A full run of the recipe on an AMD EPYC kept
     its faults down but was not faster: its steps slow down as it goes for another reason (docs/training.md).
 
