@@ -80,7 +80,9 @@ def at_positions(function, hidden_states: torch.Tensor, index: torch.Tensor | No
 
 def scatter_positions(picked: torch.Tensor, index: torch.Tensor, batch: int, length: int) -> torch.Tensor:
     """Rows `picked` (N, D) put back at the flat positions `index` of a (B, L, D) tensor of zeros."""
-    return picked.new_zeros(batch * length, picked.shape[-1]).index_copy(0, index, picked).view(batch, length, -1)
+    # In place into the zeros: `index_copy` would copy the whole (B, L, D) tensor first (the int8 base model's
+    # encoder at batch 32, one thread: 113 against 128 ms a call; the same values and gradients)
+    return picked.new_zeros(batch * length, picked.shape[-1]).index_copy_(0, index, picked).view(batch, length, -1)
 
 
 # Under bf16 autocast on the CPU, oneDNN generates a kernel for each matrix shape it meets, and a process that has
