@@ -112,6 +112,21 @@ def test_int8_layers_take_onednn_from_where_it_is_faster_on_this_cpu(monkeypatch
         assert torch.equal(layer(x), torch.ops.quantized.linear_dynamic(x, fbgemm, True))
 
 
+def test_int8_quantizes_a_module_that_is_not_a_model():
+    """quantize_int8 takes any module (bench_int8_kernels.py quantizes single layers): without a pre-softmax
+    projection, every layer follows the CPU's rule for attention and feed-forward layers."""
+    from vaswani_tx import quantization
+
+    layers = quantize_int8(torch.nn.Sequential(torch.nn.Linear(16, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4)))
+    assert [type(layers[0]), type(layers[2])] == [Int8Linear, Int8Linear]
+    without_amx = quantization.cpu_bf16_instructions() != "AMX"
+    rows = Int8Linear.MANY_ROWS_WITHOUT_AMX if without_amx else Int8Linear.MANY_ROWS
+    assert layers[0].many_rows == layers[2].many_rows == rows
+    x = torch.randn(3, 16)
+    torch.testing.assert_close(layers(x), torch.relu(x @ layers[0].weight().dequantize().t() + layers[0].bias())
+                               @ layers[2].weight().dequantize().t() + layers[2].bias(), atol=0.05, rtol=0.05)  # fmt: skip
+
+
 def test_int8_linear_takes_onednn_packing_from_many_rows():
     """From MANY_ROWS rows the same int8 weights go through oneDNN's packing: as close to float32 as fbgemm's
     result (the two may round an activation to int8 differently), and the stock kernel below it, bit for bit."""

@@ -64,7 +64,9 @@ def quantize_int8(model: nn.Module, inplace: bool = False) -> nn.Module:
         warnings.filterwarnings("ignore", category=UserWarning, module=r"torch\.ao\..*")
         warnings.filterwarnings("ignore", message=r".*(deprecated|torchao).*")
         quantize_dynamic(model, {nn.Linear: per_channel_dynamic_qconfig}, dtype=torch.qint8, inplace=True)
-    projection = model.get_output_embeddings()
+    # the pre-softmax projection keeps oneDNN's kernel from MANY_ROWS on every CPU; a module other than a model
+    # (a benchmark's single layer) has none
+    projection = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     amx = cpu_bf16_instructions() == "AMX"
     for module in model.modules():
         if type(module) is DynamicQuantizedLinear:
