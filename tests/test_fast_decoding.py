@@ -251,6 +251,62 @@ def test_onednn_projects_many_rows_a_block_at_a_time_into_the_kept_buffer(monkey
     assert blocks.count(2) >= 6 and max(blocks) <= 3  # 12 rows: six blocks a step; up to 3 rows: one product
 
 
+def test_an_own_pre_softmax_layer_projects_many_rows_a_block_at_a_time(monkeypatch):
+    """Where the loops cannot compute the projection themselves (int8 layers, a bias), the model's own `project`
+    gives logits above FRESH_BYTES a block of rows at a time, into the call's buffer (never a fresh tensor that
+    size), raw or through the log-softmax beam search asks for; small calls are one product as before, and beam
+    search's ids stay transformers' own. Sizes shrunk so that the tiny model's rows take that path."""
+    int8 = quantize_int8(tiny_model(seed=4))
+    vocabulary = int8.config.vocab_size
+    monkeypatch.setattr(fast_decoding, "FRESH_BYTES", 3 * vocabulary * 4)
+    monkeypatch.setattr(fast_decoding, "ONEDNN_BLOCK_BYTES", 2 * vocabulary * 4)
+    blocks = []
+
+    def counting(model):
+        original = model.project
+
+        def project(hidden):
+            blocks.append(hidden.reshape(-1, hidden.shape[-1]).shape[0])
+            return original(hidden)
+
+        monkeypatch.setattr(model, "project", project)
+
+    counting(int8)
+    projection = fast_decoding.OwnProjection(int8)
+    hidden = torch.randn(7, int8.config.d_model)
+    with torch.no_grad():
+        expected = torch.cat([int8.lm_head(hidden[start : start + 2]) for start in range(0, 7, 2)])
+        blocks.clear()
+        logits = projection(hidden)
+        assert blocks == [2, 2, 2, 1] and logits.data_ptr() == projection.buffer.data_ptr()
+        torch.testing.assert_close(logits, expected, rtol=0, atol=0)  # each block: the layer's own output
+        log_probs = projection(hidden, log_softmax=True)
+        assert log_probs.data_ptr() == projection.buffer.data_ptr()
+        torch.testing.assert_close(log_probs, expected.log_softmax(-1))
+        blocks.clear()
+        small = projection(hidden[:3])
+        assert small.data_ptr() != projection.buffer.data_ptr() and blocks == [3]  # small: one product, as before
+        torch.testing.assert_close(small, int8.lm_head(hidden[:3]), rtol=0, atol=0)
+
+    # A float32 pre-softmax layer with a bias: the loops leave it to the model, and its blocks are the same maths.
+    model = tiny_model(seed=4)
+    head = torch.nn.Linear(model.config.d_model, vocabulary)
+    with torch.no_grad():
+        head.weight.copy_(model.lm_head.weight)
+        head.bias.normal_(0, 0.5)
+    model.lm_head = head
+    counting(model)
+    ids, mask = batch(lengths=(7, 4, 6, 5))
+    ending = LogitsProcessorList([EndsAtPerSource([3, 6, 2, 5])])
+    blocks.clear()
+    fast = model.generate(input_ids=ids, attention_mask=mask, num_beams=3, logits_processor=ending)
+    assert blocks.count(2) >= 6 and max(blocks) <= 3  # 12 rows: six blocks a step; up to 3 rows: one product
+    stock = model.generate(
+        input_ids=ids, attention_mask=mask, num_beams=3, logits_processor=ending, fast_decoding=False
+    )
+    assert torch.equal(fast, stock)
+
+
 def test_the_encoder_runs_through_onednn_where_it_is_chosen(monkeypatch):
     """generate()'s encoder pass (and the compiled step's encoder-decoder keys and values) take oneDNN's product on
     the weights as they are where oneDNN is chosen and the batch holds enough tokens; the layers' own forward is

@@ -25,8 +25,9 @@ maxima first), so the output ids are transformers' own. What they save, per step
   process does not hold each weight twice; logits of many rows come from oneDNN a block of rows at a time, and
   the encoder's products (run once a call) are oneDNN's on the weights as they are (`unpacked_onednn_products`);
 - the logits: no float32 copy of them, very large ones written into a buffer kept for the call (a fresh tensor
-  above 32 MiB costs page faults every step) and beam search's log-softmax written over them (as each block of
-  rows is written, where the projection goes a block at a time), and the processors
+  above 32 MiB costs page faults every step), a block of rows at a time where the model's own pre-softmax layer
+  computes them (int8, bfloat16, a bias: `OwnProjection`), and beam search's log-softmax written over them (as
+  each block of rows is written, where the projection goes a block at a time), and the processors
   that would rewrite all of them to mask a few columns (minimum lengths, suppressed tokens) mask those columns in
   place;
 - finished sentences leave the decoder's batch (transformers decodes them to the end of the batch's longest),
@@ -488,6 +489,7 @@ PACK_FEW_ROWS_SHARE = 0.75
 # costs a page fault per 4 KiB at each step: 16-20 ms for Multi30k's 1,750 x 8,000 logits, more than the product.
 # Logits that large go into one buffer kept for the call.
 FRESH_BYTES = 32 * 2**20
+FLOAT32_BYTES = 4
 
 
 # oneDNN's product of many rows a block of logits of this size at a time (`PackedProjection`): under FRESH_BYTES, so
@@ -542,6 +544,39 @@ class Projection:
         onednn = gemm_backend() == "onednn"
         packs = pack and rows >= (1 if onednn else PACK_MIN_ROWS) and (onednn or fits_fresh(rows, weight))
         return cls(weight, PackedProjection.of(model, rows) if packs else None)
+
+
+class OwnProjection:
+    """The model's own `project` (Section 3.4's pre-softmax layer as the model holds it, Marian's fixed bias
+    included) where `Projection` does not apply: an int8 layer (`--int8`), bfloat16, a bias. Its logits in float32;
+    where they would exceed `FRESH_BYTES`, a block of rows at a time (`ONEDNN_BLOCK_BYTES` of logits) into a buffer
+    kept for the call, with the log-softmax taken block by block where asked: a fresh tensor that large costs a page
+    fault per 4 KiB every step (Multi30k val through int8 layers: 540,000 faults a run). The layer maps each row
+    alone, so blocks are the same maths; an int8 layer quantizes its input per call, so each block's activations
+    get a scale of their own, within the quantization's own error. The logits returned are valid until the next
+    call."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self.buffer: torch.Tensor | None = None
+
+    def __call__(self, hidden: torch.Tensor, log_softmax: bool = False) -> torch.Tensor:
+        rows = hidden.reshape(-1, hidden.shape[-1])
+        count, vocabulary = rows.shape[0], self.model.config.vocab_size
+        if count * vocabulary * FLOAT32_BYTES <= FRESH_BYTES:
+            return in_log_space(self.model.project(hidden).float(), log_softmax)
+        if self.buffer is None or self.buffer.shape[0] < count:
+            self.buffer = None  # the old buffer goes before the new one is made
+            self.buffer = torch.empty(count, vocabulary, dtype=torch.float32, device=rows.device)
+        out = self.buffer[:count]
+        block = max(1, ONEDNN_BLOCK_BYTES // (vocabulary * FLOAT32_BYTES))
+        for start in range(0, count, block):
+            logits = self.model.project(rows[start : start + block]).float()
+            if log_softmax:
+                torch.ops.aten._log_softmax.out(logits, -1, False, out=out[start : start + block])
+            else:
+                out[start : start + block] = logits
+        return out.view(*hidden.shape[:-1], -1)
 
 
 # --- greedy search's argmax: screened in int8, computed in float32 where it can be ------------------------------------
@@ -690,7 +725,7 @@ class DecodingSession:
         self.sources = encoder_output[::rows_per_source]
         self.source_mask = mask[::rows_per_source] if mask is not None else None
         self.cache = DecodingCache(model.config.num_decoder_layers)
-        self.projection = Projection.of(model, encoder_output.shape[0], pack)
+        self.projection = Projection.of(model, encoder_output.shape[0], pack) or OwnProjection(model)
         self.final_bias = getattr(model, "final_logits_bias", None) if model.config.final_logits_bias else None
         # packed only for calls that will use them (a copy of the decoder's weights)
         self.linears = PackedLinears.of(model) if encoder_output.shape[0] >= PackedLinears.min_rows() else None
@@ -731,9 +766,7 @@ def logits_of(session, hidden: torch.Tensor, log_softmax: bool = False) -> torch
     Marian's fixed bias where the model has one; the model's own `project` where the projection does not apply.
     With `log_softmax` their log-softmax (Section 3.4's softmax, in log space), written over them: computed block
     by block as the projection writes them where it can (`PackedProjection`), while they are still in the cache."""
-    if session.projection is None:
-        return in_log_space(session.model.project(hidden).float(), log_softmax)
-    if session.final_bias is None:
+    if session.final_bias is None or type(session.projection) is OwnProjection:
         return session.projection(hidden, log_softmax=log_softmax)
     return in_log_space(session.projection(hidden).add_(session.final_bias), log_softmax)
 
@@ -819,7 +852,7 @@ class CompiledSession:
             with unpacked_onednn_products(layer.cross_attn, int(self.source_mask.numel())):
                 self.cross.update(*layer.cross_attn.keys_values(self.sources), index)
         self.slots = PositionSlots(config.num_decoder_layers)
-        self.projection = projection
+        self.projection = projection or OwnProjection(model)
         self.final_bias = getattr(model, "final_logits_bias", None) if config.final_logits_bias else None
 
     def step(self, tokens: torch.Tensor, log_softmax: bool = False) -> torch.Tensor:
