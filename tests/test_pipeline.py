@@ -46,6 +46,35 @@ def test_remote_code_pipeline_equals_generate(saved_model):
     assert [r["translation_text"] for r in results] == expected
 
 
+def test_a_list_is_translated_sorted_by_length_in_batches_and_returned_in_input_order(saved_model, monkeypatch):
+    """A list goes to generate() longest first, in batches of at most max_tokens padded source tokens (4,096 by
+    default) and batch_size sentences, and comes back in input order with each sentence's own translation."""
+    _, model, tokenizer = saved_model
+    texts = ["Eine Frau.", SENTENCES[0], "Ein Hund läuft über die große grüne Wiese zum Fluss.", SENTENCES[1], "Ja."]
+    expected = [generate_texts(model, tokenizer, [text], num_beams=2, max_new_tokens=6)[0] for text in texts]
+    lengths = [len(ids) for ids in tokenizer(texts)["input_ids"]]
+    translator = VaswaniTranslationPipeline(model=model, tokenizer=tokenizer, num_beams=2, max_new_tokens=6)
+    batches = []
+    original = model.generate
+
+    def recording(*args, **kwargs):
+        batches.append(kwargs["input_ids"].shape)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(model, "generate", recording)
+    assert [r["translation_text"] for r in translator(texts)] == expected
+    assert batches == [(5, max(lengths))]  # all of them within 4,096 tokens: one batch
+    batches.clear()
+    assert [r["translation_text"] for r in translator(texts, batch_size=2)] == expected
+    assert [shape[0] for shape in batches] == [2, 2, 1]
+    assert [shape[1] for shape in batches] == sorted(lengths, reverse=True)[::2]  # longest first: little padding
+    batches.clear()
+    budget = sorted(lengths)[-2] * 2  # the two longest together, then the rest in batches that fit
+    assert [r["translation_text"] for r in translator(texts, max_tokens=budget)] == expected
+    assert all(rows * length <= budget for rows, length in batches[1:]) and sum(s[0] for s in batches) == 5
+    assert translator([]) == []
+
+
 def test_pipeline_uses_the_papers_decoding_defaults(saved_model):
     folder, model, tokenizer = saved_model
     translator = pipeline("translation", model=str(folder), pipeline_class=VaswaniTranslationPipeline)

@@ -40,6 +40,7 @@ from vaswani_tx.atomic import write_text
 from vaswani_tx.checkpoints import check_safetensors
 from vaswani_tx.errors import UserInputError
 from vaswani_tx.evaluation import read_text
+from vaswani_tx.pipeline_vaswani import MAX_TOKENS, plan_batches
 from vaswani_tx.tokenization import check_tokenizer_fits_model, drop_format_characters_in
 from vaswani_tx.vocabulary import drop_format_characters
 
@@ -54,33 +55,6 @@ _LINE_BREAKS = re.compile("[\n\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029]")
 def one_line(text: str) -> str:
     """A hypothesis as exactly one output line: inner line breaks become spaces, outer whitespace goes."""
     return _LINE_BREAKS.sub(" ", text).strip()
-
-
-def plan_batches(lengths: Sequence[int], max_tokens: int, max_sentences: int | None = None) -> list[list[int]]:
-    """Group indices into batches of at most ``max_tokens`` padded source tokens, longest first.
-
-    Sorting by length keeps padding small; the longest batch comes first so that running out of
-    memory shows at once rather than after an hour. A sentence longer than the budget gets a batch of
-    its own (decoding never drops a line, unlike training's sampler). Ties keep input order.
-    """
-    if max_tokens < 1:
-        raise UserInputError(f"max_tokens must be at least 1, got {max_tokens}")
-    if max_sentences is not None and max_sentences < 1:
-        raise UserInputError(f"max_sentences (batch size) must be at least 1, got {max_sentences}")
-    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
-    batches: list[list[int]] = []
-    current: list[int] = []
-    for index in order:
-        # lengths only fall along the order, so the batch's first sentence is its longest
-        longest = lengths[current[0]] if current else lengths[index]
-        full = max_sentences is not None and len(current) >= max_sentences
-        if current and (full or longest * (len(current) + 1) > max_tokens):
-            batches.append(current)
-            current = []
-        current.append(index)
-    if current:
-        batches.append(current)
-    return batches
 
 
 def check_model_folder(folder: Path) -> None:
@@ -145,7 +119,7 @@ class Translator:
         *,
         num_beams: int | None = None,
         length_penalty: float | None = None,
-        max_tokens: int = 4096,
+        max_tokens: int = MAX_TOKENS,
         batch_size: int | None = None,
         progress: bool = False,
         processors_for: Callable[[list[int]], list[Any]] | None = None,
