@@ -119,6 +119,34 @@ def test_the_step_reads_the_models_own_weights(compiled_folder, steps):
     assert steps
 
 
+def test_a_copy_of_the_model_decodes_through_a_step_of_its_own_and_int8_without_one(compiled_folder, steps):
+    """`copy.deepcopy` of a model with a compiled step (the library itself cannot be copied): the copy loads its own
+    and binds it to the copy's tensors, leaving the original's alone; `quantize_int8`'s copy (int8 decodes eagerly)
+    goes without one, as the docstring's `quantize_int8(from_pretrained(folder))` asks."""
+    import copy
+
+    from vaswani_tx.quantization import quantize_int8
+
+    model = VaswaniForConditionalGeneration.from_pretrained(compiled_folder)
+    ids, mask = batch(seed=5)
+    expected = eager_twin(compiled_folder).generate(input_ids=ids, attention_mask=mask)
+    twin = copy.deepcopy(model)
+    assert twin._compiled_step is not None and twin._compiled_step.runner is not model._compiled_step.runner
+    with torch.no_grad():
+        twin.model.decoder.layers[0].feed_forward.w_1.weight.mul_(-1.5)  # the copy's own weights, not the original's
+    changed = eager_twin(compiled_folder)
+    with torch.no_grad():
+        changed.model.decoder.layers[0].feed_forward.w_1.weight.mul_(-1.5)
+    assert torch.equal(
+        twin.generate(input_ids=ids, attention_mask=mask), changed.generate(input_ids=ids, attention_mask=mask)
+    )
+    assert torch.equal(model.generate(input_ids=ids, attention_mask=mask), expected)
+    assert len(steps) >= 2
+    int8 = quantize_int8(model)
+    assert int8._compiled_step is None and model._compiled_step is not None
+    assert int8.generate(input_ids=ids, attention_mask=mask).shape[0] == ids.shape[0]
+
+
 def copy_of(folder, tmp_path):
     target = tmp_path / "model"
     shutil.copytree(folder, target)

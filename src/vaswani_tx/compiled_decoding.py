@@ -141,12 +141,21 @@ def machine() -> dict:
 class CompiledStep:
     """A loaded step and the tensors it reads (the model's own, and the positional table, kept alive here)."""
 
-    def __init__(self, runner, manifest: dict, model: nn.Module):
-        self.runner, self.manifest = runner, manifest
+    def __init__(self, runner, manifest: dict, model: nn.Module | None, package: str):
+        self.runner, self.manifest, self.package = runner, manifest, package
         self.rows = int(manifest["positions"])
         self.table = None
         self.bound: tuple | None = None
-        self.bind(model)
+        if model is not None:
+            self.bind(model)
+
+    def __deepcopy__(self, memo) -> CompiledStep:
+        """`copy.deepcopy` of the model: the loaded library cannot be copied, so the copy loads its own from the same
+        package and binds it to the copy's tensors at its first call (`usable`)."""
+        copied = CompiledStep(_loader(self.package), self.manifest, None, self.package)
+        copied.table = self.table
+        copied.bound = tuple((name, shape, None, dtype, device) for name, shape, _, dtype, device in self.bound or ())
+        return copied
 
     def bind(self, model: nn.Module) -> None:
         """Point the library at the model's tensors (again, if they were replaced: `load_state_dict(assign=True)`)."""
@@ -204,10 +213,7 @@ def load_compiled_step(model: nn.Module, folder: str | os.PathLike) -> CompiledS
         problem = f"its manifest cannot be read ({error})"
     if problem is None:
         try:
-            # torch's loader itself (what `torch._inductor.aoti_load_package` wraps): importing Inductor for it
-            # would add most of a second to every model load.
-            runner = torch._C._aoti.AOTIModelPackageLoader(str(where / PACKAGE), "model", False, 1, -1)
-            return CompiledStep(runner, manifest, model)
+            return CompiledStep(_loader(str(where / PACKAGE)), manifest, model, str(where / PACKAGE))
         except Exception as error:  # a truncated or foreign library: torch says so in many ways
             problem = f"it cannot be loaded ({_first_line(error)})"
     logger.warning(
@@ -215,6 +221,12 @@ def load_compiled_step(model: nn.Module, folder: str | os.PathLike) -> CompiledS
         "makes a new one)", where, problem, folder,
     )  # fmt: skip
     return None
+
+
+def _loader(package: str):
+    # torch's loader itself (what `torch._inductor.aoti_load_package` wraps): importing Inductor for it would add most
+    # of a second to every model load.
+    return torch._C._aoti.AOTIModelPackageLoader(package, "model", False, 1, -1)
 
 
 def _mismatch(manifest: dict, model: nn.Module, here: dict) -> str | None:

@@ -57,7 +57,8 @@ def quantize_int8(model: nn.Module, inplace: bool = False) -> nn.Module:
             "decode without int8 (--int8) here"
         )
     if not inplace:
-        model = copy.deepcopy(model)
+        # a compiled decoding step is float32's (an int8 model decodes eagerly): the copy goes without it
+        model = copy.deepcopy(model, memo={id(getattr(model, "_compiled_step", None)): None})
     model.eval()
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", category=DeprecationWarning)
