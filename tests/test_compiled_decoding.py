@@ -147,6 +147,23 @@ def test_a_copy_of_the_model_decodes_through_a_step_of_its_own_and_int8_without_
     assert int8.generate(input_ids=ids, attention_mask=mask).shape[0] == ids.shape[0]
 
 
+def test_a_pickled_model_loads_its_step_again_or_decodes_eagerly(compiled_folder, tmp_path, steps, caplog):
+    """`torch.save` of the whole model: the step is loaded again from its package on unpickling; where the package
+    is gone, one logged line and the eager path, with the same ids."""
+    model = VaswaniForConditionalGeneration.from_pretrained(copy_of(compiled_folder, tmp_path))
+    ids, mask = batch(seed=5)
+    expected = eager_twin(compiled_folder).generate(input_ids=ids, attention_mask=mask)
+    torch.save(model, tmp_path / "whole.pt")
+    loaded = torch.load(tmp_path / "whole.pt", weights_only=False)
+    assert torch.equal(loaded.generate(input_ids=ids, attention_mask=mask), expected) and steps
+    shutil.rmtree(tmp_path / "model" / FOLDER)
+    steps.clear()
+    with caplog.at_level(logging.WARNING):
+        gone = torch.load(tmp_path / "whole.pt", weights_only=False)
+    assert "decoding eagerly" in caplog.text and gone._compiled_step.runner is None
+    assert torch.equal(gone.generate(input_ids=ids, attention_mask=mask), expected) and not steps
+
+
 def copy_of(folder, tmp_path):
     target = tmp_path / "model"
     shutil.copytree(folder, target)

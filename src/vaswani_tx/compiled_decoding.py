@@ -149,13 +149,22 @@ class CompiledStep:
         if model is not None:
             self.bind(model)
 
-    def __deepcopy__(self, memo) -> CompiledStep:
-        """`copy.deepcopy` of the model: the loaded library cannot be copied, so the copy loads its own from the same
-        package and binds it to the copy's tensors at its first call (`usable`)."""
-        copied = CompiledStep(_loader(self.package), self.manifest, None, self.package)
-        copied.table = self.table
-        copied.bound = tuple((name, shape, None, dtype, device) for name, shape, _, dtype, device in self.bound or ())
-        return copied
+    def __getstate__(self) -> dict:
+        """Copied (`copy.deepcopy` of the model) or pickled (`torch.save` of the whole model, a process spawned with
+        it): the loaded library itself cannot be, so the copy loads its own from the same package and binds it to
+        its own tensors at its first call (`usable`); where the package is gone by then, it decodes eagerly."""
+        state = dict(self.__dict__, runner=None)
+        state["bound"] = tuple(
+            (name, shape, None, dtype, device) for name, shape, _, dtype, device in self.bound or ()
+        )
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        try:
+            self.runner = _loader(self.package)
+        except Exception as error:  # moved, deleted, or another machine's
+            logger.warning("%s: not using the compiled decoding step: %s; decoding eagerly", self.package, error)
 
     def bind(self, model: nn.Module) -> None:
         """Point the library at the model's tensors (again, if they were replaced: `load_state_dict(assign=True)`)."""
@@ -173,7 +182,7 @@ class CompiledStep:
     def usable(self, model: nn.Module) -> bool:
         """Whether this call can decode through the library: float32 on the CPU, eval mode; tensors replaced
         since loading are bound again (same names and shapes; anything else decodes eagerly)."""
-        if model.training:
+        if model.training or self.runner is None:
             return False
         identity = _identity(model)
         if identity == self.bound:
