@@ -11,6 +11,7 @@ import textwrap
 import pytest
 from transformers import pipeline
 
+from vaswani_tx.errors import UserInputError
 from vaswani_tx.pipeline_vaswani import VaswaniTranslationPipeline
 
 SENTENCES = ["Ein Hund läuft über die Wiese.", "Zwei Männer spielen Fußball.", "Eine Frau liest."]
@@ -73,6 +74,8 @@ def test_a_list_is_translated_sorted_by_length_in_batches_and_returned_in_input_
     assert [r["translation_text"] for r in translator(texts, max_tokens=budget)] == expected
     assert all(rows * length <= budget for rows, length in batches[1:]) and sum(s[0] for s in batches) == 5
     assert translator([]) == []
+    with pytest.raises(UserInputError, match="batch size"):
+        translator(texts, batch_size=0)
 
 
 def test_pipeline_uses_the_papers_decoding_defaults(saved_model):
