@@ -371,17 +371,9 @@ class PackedProjection:
         (rows, V) when given."""
         rows = hidden.reshape(-1, hidden.shape[-1])
         split, weight = self.split, self.weight
-        if self.backend == "onednn" and out is not None:
-            # oneDNN's product has no `out`: a block of rows at a time, each block's fresh logits small enough
-            # for glibc's heaps (FRESH_BYTES), written into `out` (through the log-softmax) while still in the cache
-            block = max(1, ONEDNN_BLOCK_BYTES // (weight.shape[0] * weight.element_size()))
-            for start in range(0, rows.shape[0], block):
-                logits = onednn_linear(rows[start : start + block], self.packed, None)
-                if log_softmax:
-                    torch.ops.aten._log_softmax.out(logits, -1, False, out=out[start : start + block])
-                else:
-                    out[start : start + block] = logits
-            return out.view(*hidden.shape[:-1], -1)
+        if self.backend == "onednn" and out is not None:  # oneDNN's product has no `out`: a block at a time
+            blocks = logits_in_blocks(lambda block: onednn_linear(block, self.packed, None), rows, out, log_softmax)
+            return blocks.view(*hidden.shape[:-1], -1)
         if self.backend == "onednn":
             return in_log_space(onednn_linear(rows, self.packed, None), log_softmax).view(*hidden.shape[:-1], -1)
         logits = torch.ops.mkl._mkl_linear(rows, self.packed, weight[:split], None, self.rows)
@@ -498,9 +490,23 @@ FLOAT32_BYTES = 4
 ONEDNN_BLOCK_BYTES = 16 * 2**20
 
 
-def fits_fresh(rows: int, weight: torch.Tensor) -> bool:
-    """Whether `rows` rows of logits over W's vocabulary are small enough for a fresh tensor (`FRESH_BYTES`)."""
-    return rows * weight.shape[0] * weight.element_size() <= FRESH_BYTES
+def fits_fresh(rows: int, vocabulary: int) -> bool:
+    """Whether `rows` rows of float32 logits over the vocabulary are small enough for a fresh tensor (`FRESH_BYTES`)."""
+    return rows * vocabulary * FLOAT32_BYTES <= FRESH_BYTES
+
+
+def logits_in_blocks(product, rows: torch.Tensor, out: torch.Tensor, log_softmax: bool) -> torch.Tensor:
+    """`product`'s logits of `rows` (N, D) a block of rows at a time (`ONEDNN_BLOCK_BYTES` of them), written into
+    `out` (N, V), through the log-softmax with `log_softmax`: each block's fresh logits small enough for glibc's
+    heaps (`FRESH_BYTES`), and written while still in the cache. Returns `out`."""
+    block = max(1, ONEDNN_BLOCK_BYTES // (out.shape[1] * out.element_size()))
+    for start in range(0, rows.shape[0], block):
+        logits = product(rows[start : start + block])
+        if log_softmax:
+            torch.ops.aten._log_softmax.out(logits, -1, False, out=out[start : start + block])
+        else:
+            out[start : start + block] = logits
+    return out
 
 
 def in_log_space(logits: torch.Tensor, log_softmax: bool) -> torch.Tensor:
@@ -523,7 +529,7 @@ class Projection:
         """The logits (..., V), or their log-softmax (written over them: beam search's scores)."""
         rows = hidden.reshape(-1, hidden.shape[-1])
         packed = self.packed is not None and self.packed.serves(rows.shape[0])
-        if packed and self.packed.whole and fits_fresh(rows.shape[0], self.weight):
+        if packed and self.packed.whole and fits_fresh(rows.shape[0], self.weight.shape[0]):
             return self.packed(hidden, log_softmax=log_softmax)
         if self.buffer is None or self.buffer.shape[0] < rows.shape[0]:
             self.buffer = rows.new_empty(rows.shape[0], self.weight.shape[0])
@@ -542,7 +548,7 @@ class Projection:
             return None
         # oneDNN's beats oneMKL's at any rows there, many a block at a time; oneMKL's packing takes only `rows`
         onednn = gemm_backend() == "onednn"
-        packs = pack and rows >= (1 if onednn else PACK_MIN_ROWS) and (onednn or fits_fresh(rows, weight))
+        packs = pack and rows >= (1 if onednn else PACK_MIN_ROWS) and (onednn or fits_fresh(rows, weight.shape[0]))
         return cls(weight, PackedProjection.of(model, rows) if packs else None)
 
 
@@ -563,20 +569,15 @@ class OwnProjection:
     def __call__(self, hidden: torch.Tensor, log_softmax: bool = False) -> torch.Tensor:
         rows = hidden.reshape(-1, hidden.shape[-1])
         count, vocabulary = rows.shape[0], self.model.config.vocab_size
-        if count * vocabulary * FLOAT32_BYTES <= FRESH_BYTES:
+        if fits_fresh(count, vocabulary):
             return in_log_space(self.model.project(hidden).float(), log_softmax)
         if self.buffer is None or self.buffer.shape[0] < count:
             self.buffer = None  # the old buffer goes before the new one is made
             self.buffer = torch.empty(count, vocabulary, dtype=torch.float32, device=rows.device)
-        out = self.buffer[:count]
-        block = max(1, ONEDNN_BLOCK_BYTES // (vocabulary * FLOAT32_BYTES))
-        for start in range(0, count, block):
-            logits = self.model.project(rows[start : start + block]).float()
-            if log_softmax:
-                torch.ops.aten._log_softmax.out(logits, -1, False, out=out[start : start + block])
-            else:
-                out[start : start + block] = logits
-        return out.view(*hidden.shape[:-1], -1)
+        blocks = logits_in_blocks(
+            lambda block: self.model.project(block).float(), rows, self.buffer[:count], log_softmax
+        )
+        return blocks.view(*hidden.shape[:-1], -1)
 
 
 # --- greedy search's argmax: screened in int8, computed in float32 where it can be ------------------------------------
