@@ -556,6 +556,40 @@ def test_finished_sources_leave_beam_searchs_bookkeeping_where_the_processors_ca
         assert set(bookkeeping) == {6}
 
 
+def test_the_caches_reordered_keys_are_whole_buffers_in_reused_allocations():
+    """After beam search's reordering (and a selection of the sentences not finished), the self-attention's keys and
+    values of the next step are the whole buffer, not a prefix of a larger one (the batched products read a whole
+    one several times faster); the copies hold the same rows, and buffers growing a position a step reuse the
+    spare allocations rather than taking new ones."""
+    torch.manual_seed(0)
+    cache = fast_decoding.GrowingKeysValues(2)
+    rows, heads, depth = 6, 2, 4
+    written = [[torch.randn(rows, heads, 1, depth) for _ in range(2)] for _ in range(3)]  # 3 steps, 2 layers
+    for step in written:
+        for layer, key in enumerate(step):
+            cache.update(key, key + 1, layer)
+    assert cache.keys[0].shape[2] == 16  # the first step's capacity: the prefix is a strided view
+
+    expected = [torch.cat([step[layer] for step in written], dim=2) for layer in range(2)]
+    allocations = set()
+    for position, order in enumerate([[5, 4, 3, 2, 1, 0], [0, 0, 1, 1, 2, 2], [3, 1, 4, 5, 0, 2], [1, 2, 3]]):
+        order = torch.tensor(order)
+        cache.select_rows(order)
+        expected = [keys[order] for keys in expected]
+        new = torch.randn(len(order), heads, 1, depth)
+        for layer in range(2):
+            keys, values = cache.update(new, new + 1, layer)
+            expected[layer] = torch.cat([expected[layer], new], dim=2)
+            assert keys.is_contiguous() and values.is_contiguous()
+            assert keys.data_ptr() == cache.keys[layer].data_ptr() and keys.shape == cache.keys[layer].shape
+            torch.testing.assert_close(keys, expected[layer], rtol=0, atol=0)
+            torch.testing.assert_close(values, expected[layer] + 1, rtol=0, atol=0)
+            if position:
+                allocations.add((keys._base if keys._base is not None else keys).data_ptr())
+    # 4 buffers and the spare, then the same allocations for fewer rows and one more position
+    assert len(allocations) <= 5
+
+
 def test_the_output_is_an_ordinary_tensor_outside_inference_mode():
     model = eos_prone_model()
     ids, mask = batch()
