@@ -86,10 +86,13 @@ def build_models(root: Path) -> dict[str, Path]:
     ).save_pretrained(paths["ours"])
     export_ct2(paths["ours"], paths["ct2-ours"])
     export_ct2(paths["ours"], paths["ct2-ours-int8"], quantization="int8")
-    # `vaswani-tx compile`: the folder's compiled decoding step, which "ours" (the default path) then loads.
+    # `vaswani-tx compile`: the folder's compiled decoding steps, which "ours" (the default path) and "ours-int8"
+    # (`quantize_int8`) then load.
     from vaswani_tx.compile_step import compile_decoder_step
+    from vaswani_tx.quantization import quantize_int8
 
     compile_decoder_step(ours, paths["ours"])
+    compile_decoder_step(quantize_int8(ours), paths["ours"])
 
     marian = MarianMTModel(marian_config(MarianConfig)).eval()
     marian.save_pretrained(paths["marian"])

@@ -153,12 +153,13 @@ def run_job(job: dict) -> dict:
 
 
 def save_afresh(model_folder: str, tmp: Path) -> tuple[Path, Path]:
-    """The model saved with this tree's code (what `trust_remote_code` runs) twice: with its decoding step
-    compiled (`vaswani-tx compile`) and without."""
+    """The model saved with this tree's code (what `trust_remote_code` runs) twice: with its decoding steps
+    compiled (`vaswani-tx compile`: the float32 model's and the int8 model's) and without."""
     from transformers import AutoTokenizer
 
     from vaswani_tx.compile_step import compile_decoder_step
     from vaswani_tx.modeling_vaswani import VaswaniForConditionalGeneration
+    from vaswani_tx.quantization import quantize_int8
 
     model = VaswaniForConditionalGeneration.from_pretrained(model_folder)
     tokenizer = AutoTokenizer.from_pretrained(model_folder)
@@ -167,6 +168,7 @@ def save_afresh(model_folder: str, tmp: Path) -> tuple[Path, Path]:
         model.save_pretrained(folder)
         tokenizer.save_pretrained(folder)
     compile_decoder_step(model, folders[0])
+    compile_decoder_step(quantize_int8(model), folders[0])
     return folders
 
 

@@ -24,6 +24,7 @@ from vaswani_tx.compile_step import compile_decoder_step
 from vaswani_tx.compiled_decoding import FOLDER, MANIFEST, PACKAGE
 from vaswani_tx.errors import UserInputError
 from vaswani_tx.modeling_vaswani import VaswaniForConditionalGeneration
+from vaswani_tx.quantization import quantize_int8
 
 
 @pytest.fixture(scope="module")
@@ -119,13 +120,11 @@ def test_the_step_reads_the_models_own_weights(compiled_folder, steps):
     assert steps
 
 
-def test_a_copy_of_the_model_decodes_through_a_step_of_its_own_and_int8_without_one(compiled_folder, steps):
+def test_a_copy_of_the_model_decodes_through_a_step_of_its_own_and_int8_through_the_int8_step(compiled_folder, steps):
     """`copy.deepcopy` of a model with a compiled step (the library itself cannot be copied): the copy loads its own
-    and binds it to the copy's tensors, leaving the original's alone; `quantize_int8`'s copy (int8 decodes eagerly)
-    goes without one, as the docstring's `quantize_int8(from_pretrained(folder))` asks."""
+    and binds it to the copy's tensors, leaving the original's alone; `quantize_int8`'s copy, as the docstring's
+    `quantize_int8(from_pretrained(folder))` makes it, goes without the float32 step and loads the int8 one."""
     import copy
-
-    from vaswani_tx.quantization import quantize_int8
 
     model = VaswaniForConditionalGeneration.from_pretrained(compiled_folder)
     ids, mask = batch(seed=5)
@@ -143,8 +142,97 @@ def test_a_copy_of_the_model_decodes_through_a_step_of_its_own_and_int8_without_
     assert torch.equal(model.generate(input_ids=ids, attention_mask=mask), expected)
     assert len(steps) >= 2
     int8 = quantize_int8(model)
-    assert int8._compiled_step is None and model._compiled_step is not None
+    assert int8._compiled_step.int8 is not None and model._compiled_step.int8 is None  # the folder's int8 step
+    assert int8._compiled_step.runner is not model._compiled_step.runner
     assert int8.generate(input_ids=ids, attention_mask=mask).shape[0] == ids.shape[0]
+
+
+def int8_twins(folder):
+    """The folder's model quantized (`quantize_int8`, which loads the folder's int8 step) and an eager twin."""
+    model = quantize_int8(VaswaniForConditionalGeneration.from_pretrained(folder))
+    eager = quantize_int8(VaswaniForConditionalGeneration.from_pretrained(folder))
+    eager._compiled_step = None
+    return model, eager
+
+
+@pytest.mark.parametrize("settings", [dict(num_beams=1), dict(num_beams=4), dict(num_beams=3, num_return_sequences=2)])
+def test_the_int8_step_gives_the_eager_int8_ids(compiled_folder, settings, steps):
+    """`vaswani-tx compile` also compiles the int8 model's step (`compiled-int8`), which calls the model's own int8
+    layers (`vaswani_tx::int8_linear`) from the compiled attention, norms and residuals: `quantize_int8` (and so
+    `translate --int8`) loads it, in place or on a copy, and it decodes what the eager int8 path decodes."""
+    assert (compiled_folder / compiled_decoding.INT8_FOLDER / PACKAGE).is_file()
+    model, eager = int8_twins(compiled_folder)
+    assert model._compiled_step.manifest["precision"] == "int8"
+    in_place = VaswaniForConditionalGeneration.from_pretrained(compiled_folder)
+    quantize_int8(in_place, inplace=True)
+    assert in_place._compiled_step.int8 == [module for _, module in compiled_decoding.int8_layers(in_place)]
+    for seed in (0, 4):
+        ids, mask = batch(seed=seed, lengths=(7, 4, 6, 2))
+        processors = LogitsProcessorList([EndsAtPerSource([3, 7, 5, 12])])
+        kwargs = dict(input_ids=ids, attention_mask=mask, logits_processor=processors, **settings)
+        compiled = model.generate(**kwargs)
+        assert torch.equal(compiled, eager.generate(**kwargs))
+        assert torch.equal(in_place.generate(**kwargs), compiled)
+        assert len(set(ends(compiled))) > 1  # sources left the batch at several steps
+    assert steps
+
+
+def test_the_int8_step_follows_the_models_int8_layers(compiled_folder, tmp_path, caplog, steps):
+    """Two int8 models decode through their own layers, whichever ran last (the operator reads the layers of the
+    step that runs); layers quantized again are bound again; a step made for other int8 layers (another set of
+    quantized layers) is one line and the eager int8 path; a float32 model never loads the int8 step."""
+    model, eager = int8_twins(compiled_folder)
+    ids, mask = batch(seed=5)
+    other = VaswaniForConditionalGeneration.from_pretrained(compiled_folder)
+    with torch.no_grad():
+        other.model.decoder.layers[1].feed_forward.w_2.weight.mul_(-2.0)
+    other = quantize_int8(other)
+    other_eager = copy_model_without_step(other)
+    for first, second in ((model, other), (other, model)):
+        first.generate(input_ids=ids, attention_mask=mask, num_beams=2)
+        second.generate(input_ids=ids, attention_mask=mask, num_beams=2)
+    assert torch.equal(
+        other.generate(input_ids=ids, attention_mask=mask), other_eager.generate(input_ids=ids, attention_mask=mask)
+    )
+    assert torch.equal(
+        model.generate(input_ids=ids, attention_mask=mask), eager.generate(input_ids=ids, attention_mask=mask)
+    )
+    assert not torch.equal(
+        other.generate(input_ids=ids, attention_mask=mask), model.generate(input_ids=ids, attention_mask=mask)
+    )
+    # the layers replaced by a quantization of other weights (same names and sizes): bound again
+    layers = dict(compiled_decoding.int8_layers(other))
+    for name, _ in compiled_decoding.int8_layers(model):
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent), child, layers[name])
+    steps.clear()
+    assert torch.equal(
+        model.generate(input_ids=ids, attention_mask=mask), other_eager.generate(input_ids=ids, attention_mask=mask)
+    )
+    assert steps
+    folder = copy_of(compiled_folder, tmp_path)
+    path = folder / compiled_decoding.INT8_FOLDER / MANIFEST
+    manifest = json.loads(path.read_text())
+    manifest["int8_layers"] = manifest["int8_layers"][1:]
+    path.write_text(json.dumps(manifest))
+    with caplog.at_level(logging.WARNING, logger="vaswani_tx.compiled_decoding"):
+        refused = quantize_int8(VaswaniForConditionalGeneration.from_pretrained(folder))
+    notes = [r.getMessage() for r in caplog.records if r.name == "vaswani_tx.compiled_decoding"]
+    assert len(notes) == 1 and "made for other int8 layers" in notes[0] and "decoding eagerly" in notes[0], notes
+    assert refused._compiled_step is None
+    assert torch.equal(
+        refused.generate(input_ids=ids, attention_mask=mask), eager.generate(input_ids=ids, attention_mask=mask)
+    )
+    shutil.rmtree(folder / FOLDER)
+    assert VaswaniForConditionalGeneration.from_pretrained(folder)._compiled_step is None
+
+
+def copy_model_without_step(model):
+    import copy
+
+    twin = copy.deepcopy(model)
+    twin._compiled_step = None
+    return twin
 
 
 def test_a_pickled_model_loads_its_step_again_or_decodes_eagerly(compiled_folder, tmp_path, steps, caplog):

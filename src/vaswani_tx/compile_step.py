@@ -20,18 +20,22 @@ from .atomic import atomic_folder
 from .compiled_decoding import (
     FOLDER,
     FORMAT,
+    INT8_FOLDER,
     MANIFEST,
     PACKAGE,
     TABLE,
     architecture_fingerprint,
     gemm_backend,
+    int8_layers,
+    int8_operator,
+    int8_signature,
     machine,
     step_tensors,
     weights_fingerprint,
 )
 from .errors import UserInputError
 from .fast_decoding import OneDNNForward, forwards_installed
-from .static_decoding import _Slots, is_packed
+from .static_decoding import _Slots
 
 
 class DecoderStep(nn.Module):
@@ -91,6 +95,35 @@ class _OwnWeights(OneDNNForward):
         return self.module.bias
 
 
+class _Int8Call(nn.Module):
+    """Stands in for int8 layer `index` while the step is exported: a call of `vaswani_tx::int8_linear`, which the
+    compiled step makes to the model's own layer (`int8_operator`). The layer's packed weights are a TorchBind
+    object, which `torch.export` cannot trace."""
+
+    def __init__(self, index: int):
+        super().__init__()
+        self.index = index
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.vaswani_tx.int8_linear(x, self.index)
+
+
+@contextlib.contextmanager
+def int8_calls(model: nn.Module):
+    """While the block runs, each of the model's int8 layers is an `_Int8Call` of its index (`int8_layers`'s order),
+    and the operator's table holds the layers."""
+    layers = int8_layers(model)
+    int8_operator().layers = [module for _, module in layers]
+    parents = [model.get_submodule(name.rpartition(".")[0]) for name, _ in layers]
+    for index, ((name, _), parent) in enumerate(zip(layers, parents)):
+        setattr(parent, name.rpartition(".")[2], _Int8Call(index))
+    try:
+        yield
+    finally:
+        for (name, module), parent in zip(layers, parents):
+            setattr(parent, name.rpartition(".")[2], module)
+
+
 def _example(model: nn.Module) -> tuple:
     config = model.config
     layers, heads = config.num_decoder_layers, config.num_heads
@@ -109,20 +142,20 @@ def _example(model: nn.Module) -> tuple:
 
 
 def compile_decoder_step(model: nn.Module, folder: str | os.PathLike) -> Path:
-    """Export and compile `model`'s decoding step into `folder`/compiled (replaced whole); returns that folder.
+    """Export and compile `model`'s decoding step into `folder`/compiled, or `folder`/compiled-int8 for an int8 model
+    (`quantize_int8`), replaced whole; returns that folder.
 
     Raises:
-        UserInputError: a model this cannot compile (not float32 on the CPU, int8 layers)."""
+        UserInputError: a model this cannot compile (not float32 on the CPU, apart from int8 layers)."""
     from torch.export import Dim, export
 
     parameter = next(model.parameters())
     if parameter.device.type != "cpu" or parameter.dtype != torch.float32:
         raise UserInputError(
-            f"the compiled decoding step is for float32 models on the CPU; this one is {parameter.dtype} on "
-            f"{parameter.device} (load it without dtype/device arguments)"
+            f"the compiled decoding step is for float32 and int8 models on the CPU; this one is {parameter.dtype} "
+            f"on {parameter.device} (load it without dtype/device arguments)"
         )
-    if is_packed(model):
-        raise UserInputError("int8 models decode eagerly: compile the float32 model (int8 is --int8 at load time)")
+    int8 = bool(int8_layers(model))
     model.eval()
     # Positions the step can encode: the model's maximum. Sinusoids are a table the graph keeps as a constant,
     # made afresh at this size (at load time too, from the same function).
@@ -147,13 +180,13 @@ def compile_decoder_step(model: nn.Module, folder: str | os.PathLike) -> Path:
     }
     step = DecoderStep(model)
     products = onednn_products(model) if gemm_backend() == "onednn" else contextlib.nullcontext()
-    with torch.no_grad(), products:
+    with torch.no_grad(), products, int8_calls(model) if int8 else contextlib.nullcontext():
         program = export(step, _example(model), dynamic_shapes=dims, strict=False)
     known = step_tensors(model)
     others = [name for name in program.constants if name not in known]
     if len(others) > 1 or (others and table is None):
         raise UserInputError(f"the decoder step reads tensors that are not the model's weights: {others}")
-    with atomic_folder(Path(folder) / FOLDER) as out:
+    with atomic_folder(Path(folder) / (INT8_FOLDER if int8 else FOLDER)) as out:
         try:
             package = torch._inductor.aoti_compile_and_package(
                 program,
@@ -176,6 +209,8 @@ def compile_decoder_step(model: nn.Module, folder: str | os.PathLike) -> Path:
             "positions": rows,
             "table_rows": None if table is None else table.shape[0],
             "constants": constants,
+            "precision": "int8" if int8 else "float32",
+            **({"int8_layers": int8_signature(model)} if int8 else {}),
         }
         (out / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n", encoding="utf-8")
-    return Path(folder) / FOLDER
+    return Path(folder) / (INT8_FOLDER if int8 else FOLDER)

@@ -20,6 +20,12 @@ decoder start token per row, and lengths within the compiled positional table; a
 eagerly. The first step of a sentence computes the encoder-decoder keys and values with the model's own
 attention modules (`keys_values`) and keeps them once per source.
 
+An int8 model (`quantize_int8`, `vaswani-tx translate --int8`) has a step of its own, `compiled-int8/`, made by
+`vaswani-tx compile` from the same weights: its int8 layers hold packed weights that `torch.export` cannot trace,
+so the graph calls each through a custom operator, `vaswani_tx::int8_linear(x, index)`, which runs the model's own
+layer (`int8_layers`), and Inductor compiles everything around them (attention, norms, residuals). `quantize_int8`
+loads it for a model from a folder that has one.
+
 Compiling is compile_step.py's (it stays in the package). This file travels with saved weights for
 `trust_remote_code`: torch and errors.py only.
 """
@@ -31,17 +37,20 @@ import json
 import logging
 import os
 import platform
+import threading
 import zlib
 from pathlib import Path
 
 import torch
 from torch import nn
+from torch.ao.nn.quantized.dynamic import Linear as DynamicQuantizedLinear  # imported by torch itself already
 
 from .errors import UserInputError
 
 logger = logging.getLogger(__name__)
 
 FOLDER = "compiled"
+INT8_FOLDER = "compiled-int8"  # the int8 model's step, beside the float32 one
 PACKAGE = "decoder_step.pt2"
 MANIFEST = "manifest.json"
 FORMAT = 1
@@ -135,6 +144,42 @@ def machine() -> dict:
     return {"torch": torch.__version__, "cpu_capability": cpu_capability(), "gemm": gemm_backend()}
 
 
+# --- int8 layers: called from the compiled step -------------------------------------------------------------------
+
+
+def int8_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The model's int8 linear layers (quantization.py's `Int8Linear`), by name, in module order: the
+    compiled int8 step calls layer i as `vaswani_tx::int8_linear(x, i)`."""
+    return [(name, module) for name, module in model.named_modules() if isinstance(module, DynamicQuantizedLinear)]
+
+
+def int8_signature(model: nn.Module) -> list[list]:
+    """What the compiled int8 step assumes of the model's int8 layers: their names and sizes, in order."""
+    return [[name, module.in_features, module.out_features] for name, module in int8_layers(model)]
+
+
+def int8_operator() -> threading.local:
+    """Define `vaswani_tx::int8_linear(x, index)` once in this process and return the table it reads: `layers`, the
+    int8 layers of the model whose step runs on this thread (`CompiledStep.__call__` sets it). The package's copy of
+    this file and a saved folder's (`trust_remote_code`) share the operator and its table, kept on torch's namespace
+    for the operator."""
+    namespace = torch.ops.vaswani_tx
+    table = namespace.__dict__.get("_int8_layers")
+    if table is None:
+        table = threading.local()
+
+        @torch.library.custom_op("vaswani_tx::int8_linear", mutates_args=())
+        def int8_linear(x: torch.Tensor, index: int) -> torch.Tensor:
+            return table.layers[index](x)
+
+        @int8_linear.register_fake
+        def _(x: torch.Tensor, index: int) -> torch.Tensor:
+            return x.new_empty(*x.shape[:-1], table.layers[index].out_features)
+
+        namespace._int8_layers = table
+    return table
+
+
 # --- loading -----------------------------------------------------------------------------------------------------
 
 
@@ -146,6 +191,8 @@ class CompiledStep:
         self.rows = int(manifest["positions"])
         self.table = None
         self.bound: tuple | None = None
+        # an int8 step: the model's int8 layers, which the step calls by index (`int8_operator`)
+        self.int8: list[nn.Module] | None = [] if manifest.get("precision") == "int8" else None
         if model is not None:
             self.bind(model)
 
@@ -178,23 +225,32 @@ class CompiledStep:
         # (use_inactive, check_full_update, user_managed): the library reads these tensors, no copy
         self.runner.load_constants(constants, False, True, True)
         self.bound = _identity(model)
+        if self.int8 is not None:
+            self.int8 = [module for _, module in int8_layers(model)]
 
     def usable(self, model: nn.Module) -> bool:
-        """Whether this call can decode through the library: float32 on the CPU, eval mode; tensors replaced
-        since loading are bound again (same names and shapes; anything else decodes eagerly)."""
+        """Whether this call can decode through the library: float32 on the CPU (int8 layers for an int8 step),
+        eval mode; tensors or int8 layers replaced since loading are bound again (same names and shapes; anything
+        else decodes eagerly)."""
         if model.training or self.runner is None:
             return False
         identity = _identity(model)
-        if identity == self.bound:
+        layers = None if self.int8 is None else int8_layers(model)
+        same_layers = layers is None or [module for _, module in layers] == self.int8
+        if identity == self.bound and same_layers:
             return True
         if any(dtype != torch.float32 or device != "cpu" for _, _, _, dtype, device in identity):
             return False
         if [entry[:2] for entry in identity] != [entry[:2] for entry in self.bound]:
             return False
+        if layers is not None and int8_signature(model) != self.manifest["int8_layers"]:
+            return False
         self.bind(model)
         return True
 
     def __call__(self, tokens, self_keys, self_values, cross_keys, cross_values, sources, source_mask) -> torch.Tensor:
+        if self.int8 is not None:
+            int8_operator().layers = self.int8
         # The library's own entry point with the flat list of tensors (the package's __call__ would parse its
         # input and output specs again at every step).
         flat = [tokens, *self_keys, *self_values, *cross_keys, *cross_values, sources, source_mask]
@@ -208,12 +264,13 @@ def _identity(model: nn.Module) -> tuple:
 
 
 def load_compiled_step(model: nn.Module, folder: str | os.PathLike) -> CompiledStep | None:
-    """The compiled step in `folder`/compiled for `model`, or None (with one logged line saying why) when there is
-    none, or it was made for another torch, CPU, architecture or set of weights, or it cannot be read."""
-    manifest_path = Path(folder) / FOLDER / MANIFEST
+    """The compiled step in `folder`/compiled (`folder`/compiled-int8 for an int8 model) for `model`, or None (with
+    one logged line saying why) when there is none, or it was made for another torch, CPU, architecture, set of
+    weights or of int8 layers, or it cannot be read."""
+    where = Path(folder) / (INT8_FOLDER if int8_layers(model) else FOLDER)
+    manifest_path = where / MANIFEST
     if not manifest_path.is_file():
         return None
-    where = Path(folder) / FOLDER
     here = machine()  # before reading the manifest: a VASWANI_TX_GEMM that names no library is the user's to fix
     try:
         manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
@@ -222,6 +279,8 @@ def load_compiled_step(model: nn.Module, folder: str | os.PathLike) -> CompiledS
         problem = f"its manifest cannot be read ({error})"
     if problem is None:
         try:
+            if manifest.get("precision") == "int8":
+                int8_operator()  # the library looks the operator up as it loads
             return CompiledStep(_loader(str(where / PACKAGE)), manifest, model, str(where / PACKAGE))
         except Exception as error:  # a truncated or foreign library: torch says so in many ways
             problem = f"it cannot be loaded ({_first_line(error)})"
@@ -253,6 +312,8 @@ def _mismatch(manifest: dict, model: nn.Module, here: dict) -> str | None:
     parameter = next(model.parameters())
     if parameter.dtype != torch.float32 or parameter.device.type != "cpu":
         return f"it is for float32 on the CPU, and the model is {parameter.dtype} on {parameter.device}"
+    if manifest.get("precision", "float32") == "int8" and manifest["int8_layers"] != int8_signature(model):
+        return "it was made for other int8 layers than this model's"
     if manifest["weights"] != weights_fingerprint(model):
         return "it was made for other weights"
     return None
@@ -264,5 +325,8 @@ def _first_line(error: BaseException) -> str:
 
 
 def attach(model: nn.Module, folder: str | os.PathLike) -> None:
-    """Load `folder`'s compiled step for `model` (from_pretrained calls this), where there is one and it fits."""
-    model._compiled_step = load_compiled_step(model, folder) if Path(folder).is_dir() else None
+    """Load `folder`'s compiled step for `model` (from_pretrained calls this, and `quantize_int8` again for the int8
+    step), where there is one and it fits."""
+    found = Path(folder).is_dir()
+    model._compiled_step = load_compiled_step(model, folder) if found else None
+    model._compiled_folder = str(folder) if found else None

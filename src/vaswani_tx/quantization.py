@@ -57,7 +57,8 @@ def quantize_int8(model: nn.Module, inplace: bool = False) -> nn.Module:
             "decode without int8 (--int8) here"
         )
     if not inplace:
-        # a compiled decoding step is float32's (an int8 model decodes eagerly): the copy goes without it
+        # the float32 model's compiled decoding step does not serve int8: the copy goes without it (and loads the
+        # folder's int8 step below, where there is one)
         model = copy.deepcopy(model, memo={id(getattr(model, "_compiled_step", None)): None})
     model.eval()
     with warnings.catch_warnings():
@@ -75,6 +76,12 @@ def quantize_int8(model: nn.Module, inplace: bool = False) -> nn.Module:
             module.many_rows_params = _onednn_packing(module)
             if not amx and module is not projection:
                 module.many_rows = Int8Linear.MANY_ROWS_WITHOUT_AMX
+    # the float32 step cannot serve int8 layers: a folder's int8 step (`vaswani-tx compile`) takes its place, if any
+    folder = getattr(model, "_compiled_folder", None)
+    if folder is not None:
+        from vaswani_tx.compiled_decoding import attach
+
+        attach(model, folder)
     return model
 
 

@@ -1,13 +1,17 @@
-"""Compile a saved model's decoding step ahead of time (AOTInductor), into MODEL/compiled.
+"""Compile a saved model's decoding step ahead of time (AOTInductor), into MODEL/compiled and MODEL/compiled-int8.
 
 Once compiled, every later process that loads the folder (`from_pretrained`, `pipeline("translation")`,
 `vaswani-tx translate` and `evaluate`) decodes through it with no flag and no compilation wait, where it
 fits: float32 on the CPU, the same torch version and CPU instruction set, the same weights. Anything else
 decodes eagerly, with one line saying why, and the same results. It holds no copy of the weights.
-Takes 20-60 s for the base model or the main job's on 2 cores (60 s with Inductor's cache cold); run it again after changing the weights or torch.
+The int8 model's step (MODEL/compiled-int8) serves `translate --int8` and `quantize_int8` the same way; its
+int8 products are the model's own layers, so its translations are the eager int8 path's to int8 rounding.
+Takes 20-60 s for each step of the base model or the main job's on 2 cores (60 s with Inductor's cache cold);
+run it again after changing the weights or torch.
 
 examples:
   vaswani-tx compile runs/multi30k-en-de/averaged
+  vaswani-tx compile runs/multi30k-en-de/averaged --no-int8   # the float32 step only
 """
 
 from __future__ import annotations
@@ -18,6 +22,12 @@ import argparse
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.add_argument("model", help="saved model folder (config.json, weights); the step goes into MODEL/compiled")
+    parser.add_argument(
+        "--no-int8",
+        dest="int8",
+        action="store_false",
+        help="do not compile the int8 model's step (MODEL/compiled-int8, for --int8) as well",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -25,6 +35,7 @@ def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from vaswani_tx.compile_step import compile_decoder_step
+    from vaswani_tx.errors import UserInputError
     from vaswani_tx.modeling_vaswani import VaswaniForConditionalGeneration
     from vaswani_tx.translation import check_model_folder
 
@@ -33,4 +44,15 @@ def run(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     out = compile_decoder_step(model, args.model)
     print(f"wrote the compiled decoding step to {out} in {time.perf_counter() - start:.1f} s")
+    if args.int8:
+        from vaswani_tx.quantization import quantize_int8
+
+        start = time.perf_counter()
+        try:
+            int8 = quantize_int8(model, inplace=True)
+        except UserInputError as error:  # no int8 engine in this torch: --int8 is refused here anyway
+            print(f"no int8 step: {error}")
+            return 0
+        out = compile_decoder_step(int8, args.model)
+        print(f"wrote the int8 model's compiled decoding step to {out} in {time.perf_counter() - start:.1f} s")
     return 0
