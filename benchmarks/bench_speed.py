@@ -86,13 +86,16 @@ def build_models(root: Path) -> dict[str, Path]:
     ).save_pretrained(paths["ours"])
     export_ct2(paths["ours"], paths["ct2-ours"])
     export_ct2(paths["ours"], paths["ct2-ours-int8"], quantization="int8")
-    # `vaswani-tx compile`: the folder's compiled decoding steps, which "ours" (the default path) and "ours-int8"
-    # (`quantize_int8`) then load.
+    # `vaswani-tx compile`: the folder's compiled decoding steps, which "ours" (the default path), "ours-int8"
+    # (`quantize_int8`) and "ours-bf16" (loaded in bfloat16) then load.
     from vaswani_tx.compile_step import compile_decoder_step
+    from vaswani_tx.precision import bf16_is_fast
     from vaswani_tx.quantization import quantize_int8
 
     compile_decoder_step(ours, paths["ours"])
     compile_decoder_step(quantize_int8(ours), paths["ours"])
+    if bf16_is_fast("cpu")[0]:  # the bfloat16 step, for "ours-bf16", where --dtype auto picks bfloat16
+        compile_decoder_step(ours.to(torch.bfloat16), paths["ours"])
 
     marian = MarianMTModel(marian_config(MarianConfig)).eval()
     marian.save_pretrained(paths["marian"])
@@ -184,7 +187,12 @@ def load_torch_model(kind: str, paths: dict[str, str], train: bool):
         from vaswani_tx.modeling_vaswani import VaswaniForConditionalGeneration
 
         # "ours-full" computes padded positions too (skip_padding=False): what skipping them buys.
-        model = VaswaniForConditionalGeneration.from_pretrained(paths["ours"], skip_padding=kind != "ours-full")
+        kwargs = dict(skip_padding=kind != "ours-full")
+        if kind == "ours-bf16":  # --dtype auto: bfloat16 where the CPU has bf16 instructions, else float32; loaded
+            from vaswani_tx.precision import decoding_dtype  # so, as translate does, with the folder's step for it
+
+            kwargs["dtype"] = decoding_dtype("auto")
+        model = VaswaniForConditionalGeneration.from_pretrained(paths["ours"], **kwargs)
         if kind == "ours-eager":  # the default path without the compiled step (a folder never compiled)
             model._compiled_step = None
     model.train(train)
@@ -192,10 +200,6 @@ def load_torch_model(kind: str, paths: dict[str, str], train: bool):
         from vaswani_tx.quantization import quantize_int8
 
         model = quantize_int8(model, inplace=True)
-    if kind == "ours-bf16":  # --dtype auto: bfloat16 where the CPU has bf16 instructions, else float32
-        from vaswani_tx.precision import decoding_dtype
-
-        model = model.to(decoding_dtype("auto"))
     return model
 
 

@@ -154,11 +154,14 @@ def run_job(job: dict) -> dict:
 
 def save_afresh(model_folder: str, tmp: Path) -> tuple[Path, Path]:
     """The model saved with this tree's code (what `trust_remote_code` runs) twice: with its decoding steps
-    compiled (`vaswani-tx compile`: the float32 model's and the int8 model's) and without."""
+    compiled (`vaswani-tx compile`: the float32 model's, the int8 model's and, where bf16 is fast, the bfloat16
+    model's) and without."""
+    import torch
     from transformers import AutoTokenizer
 
     from vaswani_tx.compile_step import compile_decoder_step
     from vaswani_tx.modeling_vaswani import VaswaniForConditionalGeneration
+    from vaswani_tx.precision import bf16_is_fast
     from vaswani_tx.quantization import quantize_int8
 
     model = VaswaniForConditionalGeneration.from_pretrained(model_folder)
@@ -169,6 +172,8 @@ def save_afresh(model_folder: str, tmp: Path) -> tuple[Path, Path]:
         tokenizer.save_pretrained(folder)
     compile_decoder_step(model, folders[0])
     compile_decoder_step(quantize_int8(model), folders[0])
+    if bf16_is_fast("cpu")[0]:  # the bfloat16 step, for translate-auto, where --dtype auto picks bfloat16
+        compile_decoder_step(model.to(torch.bfloat16), folders[0])
     return folders
 
 

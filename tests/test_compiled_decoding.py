@@ -24,6 +24,7 @@ from vaswani_tx.compile_step import compile_decoder_step
 from vaswani_tx.compiled_decoding import FOLDER, MANIFEST, PACKAGE
 from vaswani_tx.errors import UserInputError
 from vaswani_tx.modeling_vaswani import VaswaniForConditionalGeneration
+from vaswani_tx.precision import bf16_is_fast
 from vaswani_tx.quantization import quantize_int8
 
 
@@ -227,6 +228,28 @@ def test_the_int8_step_follows_the_models_int8_layers(compiled_folder, tmp_path,
     assert VaswaniForConditionalGeneration.from_pretrained(folder)._compiled_step is None
 
 
+@pytest.mark.skipif(not bf16_is_fast("cpu")[0], reason="a CPU without bf16 instructions: no bfloat16 step")
+def test_a_bfloat16_model_decodes_through_the_bfloat16_step(compiled_folder, tmp_path, caplog, steps):
+    """Where the CPU has bf16 instructions `vaswani-tx compile` also writes the bfloat16 model's step (`compiled-bf16`),
+    which `from_pretrained(folder, dtype=torch.bfloat16)` (and `--dtype auto`) loads; on this tiny model it gives the
+    eager bfloat16 path's ids. Without it (a folder compiled before, or `--no-bf16`), the float32 step's one line."""
+    model = VaswaniForConditionalGeneration.from_pretrained(compiled_folder, dtype=torch.bfloat16)
+    assert model._compiled_step.manifest["precision"] == "bfloat16" and model._compiled_step.dtype == torch.bfloat16
+    eager = VaswaniForConditionalGeneration.from_pretrained(compiled_folder, dtype=torch.bfloat16)
+    eager._compiled_step = None
+    for seed, beams in ((0, 1), (4, 4), (5, 3)):
+        ids, mask = batch(seed=seed, lengths=(7, 4, 6, 2))
+        kwargs = dict(input_ids=ids, attention_mask=mask, num_beams=beams, max_new_tokens=12)
+        assert torch.equal(model.generate(**kwargs), eager.generate(**kwargs))
+    assert steps
+    folder = copy_of(compiled_folder, tmp_path)
+    shutil.rmtree(folder / compiled_decoding.BF16_FOLDER)
+    with caplog.at_level(logging.WARNING, logger="vaswani_tx.compiled_decoding"):
+        assert VaswaniForConditionalGeneration.from_pretrained(folder, dtype=torch.bfloat16)._compiled_step is None
+    notes = [r.getMessage() for r in caplog.records if r.name == "vaswani_tx.compiled_decoding"]
+    assert len(notes) == 1 and "it is for float32 on the CPU, and the model is torch.bfloat16" in notes[0], notes
+
+
 def copy_model_without_step(model):
     import copy
 
@@ -343,6 +366,6 @@ def test_the_other_gemm_librarys_step(tmp_path, monkeypatch, caplog):
 def test_compile_command_refuses_what_it_cannot_compile(tmp_path, capsys):
     assert main(["compile", str(tmp_path / "missing")]) == 2
     assert "missing" in capsys.readouterr().err
-    with pytest.raises(UserInputError, match="float32"):
-        compile_decoder_step(eos_prone_model().to(torch.bfloat16), tmp_path)
+    with pytest.raises(UserInputError, match="float32, bfloat16 and int8"):
+        compile_decoder_step(eos_prone_model().to(torch.float16), tmp_path)
     assert not (tmp_path / FOLDER).exists()

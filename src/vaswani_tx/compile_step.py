@@ -18,11 +18,10 @@ from torch import nn
 
 from .atomic import atomic_folder
 from .compiled_decoding import (
-    FOLDER,
     FORMAT,
-    INT8_FOLDER,
     MANIFEST,
     PACKAGE,
+    PRECISIONS,
     TABLE,
     architecture_fingerprint,
     gemm_backend,
@@ -30,6 +29,7 @@ from .compiled_decoding import (
     int8_operator,
     int8_signature,
     machine,
+    precision,
     step_tensors,
     weights_fingerprint,
 )
@@ -128,34 +128,37 @@ def _example(model: nn.Module) -> tuple:
     config = model.config
     layers, heads = config.num_decoder_layers, config.num_heads
     groups, rows, source, prefix = 3, 2, 5, 4
+    dtype = next(model.parameters()).dtype  # float32, or bfloat16 for a bfloat16 model's step
 
     def slots(depth):
-        return tuple(torch.zeros(prefix, groups, rows, heads, depth) for _ in range(layers))
+        return tuple(torch.zeros(prefix, groups, rows, heads, depth, dtype=dtype) for _ in range(layers))
 
     def per_source(depth):
-        return tuple(torch.zeros(groups, heads, source, depth) for _ in range(layers))
+        return tuple(torch.zeros(groups, heads, source, depth, dtype=dtype) for _ in range(layers))
 
     tokens = torch.full((groups, rows), config.decoder_start_token_id, dtype=torch.long)
-    sources = torch.zeros(groups, source, config.d_model)
+    sources = torch.zeros(groups, source, config.d_model, dtype=dtype)
     mask = torch.ones(groups, source, dtype=torch.long)
     return tokens, slots(config.d_k), slots(config.d_v), per_source(config.d_k), per_source(config.d_v), sources, mask
 
 
 def compile_decoder_step(model: nn.Module, folder: str | os.PathLike) -> Path:
     """Export and compile `model`'s decoding step into `folder`/compiled, or `folder`/compiled-int8 for an int8 model
-    (`quantize_int8`), replaced whole; returns that folder.
+    (`quantize_int8`), `folder`/compiled-bf16 for a bfloat16 one, replaced whole; returns that folder.
 
     Raises:
-        UserInputError: a model this cannot compile (not float32 on the CPU, apart from int8 layers)."""
+        UserInputError: a model this cannot compile (not float32 or bfloat16 on the CPU, apart from int8 layers)."""
     from torch.export import Dim, export
 
     parameter = next(model.parameters())
-    if parameter.device.type != "cpu" or parameter.dtype != torch.float32:
+    kind = precision(model)
+    if parameter.device.type != "cpu" or kind is None:
         raise UserInputError(
-            f"the compiled decoding step is for float32 and int8 models on the CPU; this one is {parameter.dtype} "
-            f"on {parameter.device} (load it without dtype/device arguments)"
+            f"the compiled decoding step is for float32, bfloat16 and int8 models on the CPU; this one is "
+            f"{parameter.dtype} on {parameter.device} (load it without dtype/device arguments)"
         )
-    int8 = bool(int8_layers(model))
+    int8 = kind == "int8"
+    step_folder = Path(folder) / PRECISIONS[kind][0]
     model.eval()
     # Positions the step can encode: the model's maximum. Sinusoids are a table the graph keeps as a constant,
     # made afresh at this size (at load time too, from the same function).
@@ -179,14 +182,16 @@ def compile_decoder_step(model: nn.Module, folder: str | os.PathLike) -> Path:
         "source_mask": {0: groups, 1: source},
     }
     step = DecoderStep(model)
-    products = onednn_products(model) if gemm_backend() == "onednn" else contextlib.nullcontext()
+    # float32 products through oneDNN where chosen; bfloat16 ones are oneDNN's anyway
+    float32 = kind == "float32"
+    products = onednn_products(model) if float32 and gemm_backend() == "onednn" else contextlib.nullcontext()
     with torch.no_grad(), products, int8_calls(model) if int8 else contextlib.nullcontext():
         program = export(step, _example(model), dynamic_shapes=dims, strict=False)
     known = step_tensors(model)
     others = [name for name in program.constants if name not in known]
     if len(others) > 1 or (others and table is None):
         raise UserInputError(f"the decoder step reads tensors that are not the model's weights: {others}")
-    with atomic_folder(Path(folder) / (INT8_FOLDER if int8 else FOLDER)) as out:
+    with atomic_folder(step_folder) as out:
         try:
             package = torch._inductor.aoti_compile_and_package(
                 program,
@@ -209,8 +214,8 @@ def compile_decoder_step(model: nn.Module, folder: str | os.PathLike) -> Path:
             "positions": rows,
             "table_rows": None if table is None else table.shape[0],
             "constants": constants,
-            "precision": "int8" if int8 else "float32",
+            "precision": kind,
             **({"int8_layers": int8_signature(model)} if int8 else {}),
         }
         (out / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n", encoding="utf-8")
-    return Path(folder) / (INT8_FOLDER if int8 else FOLDER)
+    return step_folder

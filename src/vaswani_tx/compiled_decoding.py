@@ -51,6 +51,7 @@ logger = logging.getLogger(__name__)
 
 FOLDER = "compiled"
 INT8_FOLDER = "compiled-int8"  # the int8 model's step, beside the float32 one
+BF16_FOLDER = "compiled-bf16"  # the bfloat16 model's (`--dtype auto` on CPUs with bf16 instructions)
 PACKAGE = "decoder_step.pt2"
 MANIFEST = "manifest.json"
 FORMAT = 1
@@ -147,6 +148,22 @@ def machine() -> dict:
 # --- int8 layers: called from the compiled step -------------------------------------------------------------------
 
 
+# A step for each precision the model may decode in: the folder it lives in and the dtype of the tensors it reads.
+PRECISIONS = {
+    "float32": (FOLDER, torch.float32),
+    "bfloat16": (BF16_FOLDER, torch.bfloat16),
+    "int8": (INT8_FOLDER, torch.float32),  # int8 layers, everything else float32
+}
+
+
+def precision(model: nn.Module) -> str | None:
+    """Which step serves `model`: "int8" (int8 layers), "float32", "bfloat16"; None for another dtype."""
+    if int8_layers(model):
+        return "int8"
+    dtype = next(model.parameters()).dtype
+    return next((name for name, (_, step_dtype) in PRECISIONS.items() if step_dtype == dtype), None)
+
+
 def int8_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """The model's int8 linear layers (quantization.py's `Int8Linear`), by name, in module order: the
     compiled int8 step calls layer i as `vaswani_tx::int8_linear(x, i)`."""
@@ -193,6 +210,7 @@ class CompiledStep:
         self.bound: tuple | None = None
         # an int8 step: the model's int8 layers, which the step calls by index (`int8_operator`)
         self.int8: list[nn.Module] | None = [] if manifest.get("precision") == "int8" else None
+        self.dtype = PRECISIONS[manifest.get("precision", "float32")][1]  # of the tensors it reads and gives
         if model is not None:
             self.bind(model)
 
@@ -219,7 +237,7 @@ class CompiledStep:
         if self.table is None and TABLE in self.manifest["constants"].values():
             decoder = model.get_decoder()
             table_function = decoder.embeddings.embed_positions.table_function
-            self.table = table_function(int(self.manifest["table_rows"]), model.config.d_model)
+            self.table = table_function(int(self.manifest["table_rows"]), model.config.d_model).to(self.dtype)
         constants = {name: (self.table if source == TABLE else tensors[source])
                      for name, source in self.manifest["constants"].items()}  # fmt: skip
         # (use_inactive, check_full_update, user_managed): the library reads these tensors, no copy
@@ -229,8 +247,8 @@ class CompiledStep:
             self.int8 = [module for _, module in int8_layers(model)]
 
     def usable(self, model: nn.Module) -> bool:
-        """Whether this call can decode through the library: float32 on the CPU (int8 layers for an int8 step),
-        eval mode; tensors or int8 layers replaced since loading are bound again (same names and shapes; anything
+        """Whether this call can decode through the library: the step's dtype on the CPU (int8 layers for an int8
+        step), eval mode; tensors or int8 layers replaced since loading are bound again (same names and shapes; anything
         else decodes eagerly)."""
         if model.training or self.runner is None:
             return False
@@ -239,7 +257,7 @@ class CompiledStep:
         same_layers = layers is None or [module for _, module in layers] == self.int8
         if identity == self.bound and same_layers:
             return True
-        if any(dtype != torch.float32 or device != "cpu" for _, _, _, dtype, device in identity):
+        if any(dtype != self.dtype or device != "cpu" for _, _, _, dtype, device in identity):
             return False
         if [entry[:2] for entry in identity] != [entry[:2] for entry in self.bound]:
             return False
@@ -264,10 +282,14 @@ def _identity(model: nn.Module) -> tuple:
 
 
 def load_compiled_step(model: nn.Module, folder: str | os.PathLike) -> CompiledStep | None:
-    """The compiled step in `folder`/compiled (`folder`/compiled-int8 for an int8 model) for `model`, or None (with
-    one logged line saying why) when there is none, or it was made for another torch, CPU, architecture, set of
-    weights or of int8 layers, or it cannot be read."""
-    where = Path(folder) / (INT8_FOLDER if int8_layers(model) else FOLDER)
+    """The compiled step in `folder`/compiled for `model` (`folder`/compiled-int8 for an int8 model, compiled-bf16
+    for a bfloat16 one), or None (with one logged line saying why) when there is none, or it was made for another
+    torch, CPU, architecture, set of weights or of int8 layers, or it cannot be read. A model in another dtype than
+    the steps' is told so by the float32 step's manifest."""
+    kind = precision(model)
+    where = Path(folder) / PRECISIONS[kind or "float32"][0]
+    if kind == "bfloat16" and not (where / MANIFEST).is_file():
+        where = Path(folder) / FOLDER  # a folder compiled before bf16 steps existed, or on a CPU without them
     manifest_path = where / MANIFEST
     if not manifest_path.is_file():
         return None
@@ -310,9 +332,10 @@ def _mismatch(manifest: dict, model: nn.Module, here: dict) -> str | None:
     if manifest["architecture"] != architecture_fingerprint(model.config):
         return "it was made for a model of another configuration"
     parameter = next(model.parameters())
-    if parameter.dtype != torch.float32 or parameter.device.type != "cpu":
-        return f"it is for float32 on the CPU, and the model is {parameter.dtype} on {parameter.device}"
-    if manifest.get("precision", "float32") == "int8" and manifest["int8_layers"] != int8_signature(model):
+    made = manifest.get("precision", "float32")  # artifacts from before bf16 and int8 steps are float32's
+    if parameter.dtype != PRECISIONS[made][1] or parameter.device.type != "cpu":
+        return f"it is for {made} on the CPU, and the model is {parameter.dtype} on {parameter.device}"
+    if made == "int8" and manifest["int8_layers"] != int8_signature(model):
         return "it was made for other int8 layers than this model's"
     if manifest["weights"] != weights_fingerprint(model):
         return "it was made for other weights"

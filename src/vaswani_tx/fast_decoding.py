@@ -909,7 +909,7 @@ def session_applies(model: nn.Module, input_ids: torch.Tensor, max_length: int, 
     if compiled is None or input_ids.shape[1] != 1 or max_length > compiled.rows:
         return None
     encoder_output = model_kwargs["encoder_outputs"][0]
-    if encoder_output.dtype != torch.float32 or encoder_output.device.type != "cpu":
+    if encoder_output.dtype != compiled.dtype or encoder_output.device.type != "cpu":
         return None
     return compiled if compiled.usable(model) else None
 

@@ -5,13 +5,16 @@ Once compiled, every later process that loads the folder (`from_pretrained`, `pi
 fits: float32 on the CPU, the same torch version and CPU instruction set, the same weights. Anything else
 decodes eagerly, with one line saying why, and the same results. It holds no copy of the weights.
 The int8 model's step (MODEL/compiled-int8) serves `translate --int8` and `quantize_int8` the same way; its
-int8 products are the model's own layers, so its translations are the eager int8 path's to int8 rounding.
+int8 products are the model's own layers, so its translations are the eager int8 path's to int8 rounding. On a
+CPU with bf16 instructions (where `--dtype auto` picks bfloat16) the bfloat16 model's step (MODEL/compiled-bf16)
+serves `--dtype auto` and `from_pretrained(MODEL, dtype=torch.bfloat16)`; Inductor keeps its fused elementwise
+work in float32 between bfloat16 tensors, so its translations differ from the eager bfloat16 path's at that rounding.
 Takes 20-60 s for each step of the base model or the main job's on 2 cores (60 s with Inductor's cache cold);
 run it again after changing the weights or torch.
 
 examples:
   vaswani-tx compile runs/multi30k-en-de/averaged
-  vaswani-tx compile runs/multi30k-en-de/averaged --no-int8   # the float32 step only
+  vaswani-tx compile runs/multi30k-en-de/averaged --no-int8 --no-bf16   # the float32 step only
 """
 
 from __future__ import annotations
@@ -27,6 +30,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         dest="int8",
         action="store_false",
         help="do not compile the int8 model's step (MODEL/compiled-int8, for --int8) as well",
+    )
+    parser.add_argument(
+        "--no-bf16",
+        dest="bf16",
+        action="store_false",
+        help="do not compile the bfloat16 model's step (MODEL/compiled-bf16, for --dtype auto where the CPU has bf16 "
+        "instructions) as well",
     )
 
 
@@ -49,10 +59,22 @@ def run(args: argparse.Namespace) -> int:
 
         start = time.perf_counter()
         try:
-            int8 = quantize_int8(model, inplace=True)
+            int8 = quantize_int8(model)  # a copy: the bfloat16 step below starts from the float32 weights
         except UserInputError as error:  # no int8 engine in this torch: --int8 is refused here anyway
             print(f"no int8 step: {error}")
+        else:
+            out = compile_decoder_step(int8, args.model)
+            print(f"wrote the int8 model's compiled decoding step to {out} in {time.perf_counter() - start:.1f} s")
+    if args.bf16:
+        import torch
+
+        from vaswani_tx.precision import bf16_is_fast
+
+        fast, why = bf16_is_fast("cpu")
+        if not fast:
+            print(f"no bfloat16 step: --dtype auto decodes in float32 here ({why})")
             return 0
-        out = compile_decoder_step(int8, args.model)
-        print(f"wrote the int8 model's compiled decoding step to {out} in {time.perf_counter() - start:.1f} s")
+        start = time.perf_counter()
+        out = compile_decoder_step(model.to(torch.bfloat16), args.model)
+        print(f"wrote the bfloat16 model's compiled decoding step to {out} in {time.perf_counter() - start:.1f} s")
     return 0
