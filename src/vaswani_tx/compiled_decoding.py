@@ -24,7 +24,8 @@ An int8 model (`quantize_int8`, `vaswani-tx translate --int8`) has a step of its
 `vaswani-tx compile` from the same weights: its int8 layers hold packed weights that `torch.export` cannot trace,
 so the graph calls each through a custom operator, `vaswani_tx::int8_linear(x, index)`, which runs the model's own
 layer (`int8_layers`), and Inductor compiles everything around them (attention, norms, residuals). `quantize_int8`
-loads it for a model from a folder that has one.
+loads it for a model from a folder that has one. A bfloat16 model (`from_pretrained(folder, dtype=torch.bfloat16)`,
+`--dtype auto` on CPUs with bf16 instructions) has one too, `compiled-bf16/`, the same graph over bfloat16 tensors.
 
 Compiling is compile_step.py's (it stays in the package). This file travels with saved weights for
 `trust_remote_code`: torch and errors.py only.
@@ -145,7 +146,7 @@ def machine() -> dict:
     return {"torch": torch.__version__, "cpu_capability": cpu_capability(), "gemm": gemm_backend()}
 
 
-# --- int8 layers: called from the compiled step -------------------------------------------------------------------
+# --- precisions: a step for float32, bfloat16 and int8 models ----------------------------------------------------
 
 
 # A step for each precision the model may decode in: the folder it lives in and the dtype of the tensors it reads.
@@ -162,6 +163,9 @@ def precision(model: nn.Module) -> str | None:
         return "int8"
     dtype = next(model.parameters()).dtype
     return next((name for name, (_, step_dtype) in PRECISIONS.items() if step_dtype == dtype), None)
+
+
+# int8 layers, called from the compiled step
 
 
 def int8_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -225,7 +229,7 @@ class CompiledStep:
         return state
 
     def __setstate__(self, state: dict) -> None:
-        self.__dict__.update(state)
+        self.__dict__.update({"int8": None, "dtype": torch.float32, **state})  # pickled before int8 and bf16 steps
         try:
             self.runner = _loader(self.package)
         except Exception as error:  # moved, deleted, or another machine's
