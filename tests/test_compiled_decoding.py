@@ -49,6 +49,14 @@ def steps(monkeypatch):
     return ran
 
 
+def ending_calls(ending, settings: dict):
+    """generate()'s arguments for two batches whose sources end at different steps (`ending`), with `settings`."""
+    for seed in (0, 4):
+        ids, mask = batch(seed=seed, lengths=(7, 4, 6, 2))
+        processors = LogitsProcessorList([ending([3, 7, 5, 12])])
+        yield dict(input_ids=ids, attention_mask=mask, logits_processor=processors, **settings)
+
+
 def eager_twin(folder):
     model = VaswaniForConditionalGeneration.from_pretrained(folder)
     model._compiled_step = None
@@ -75,10 +83,7 @@ def test_the_compiled_step_gives_the_eager_and_transformers_ids(compiled_folder,
     model = VaswaniForConditionalGeneration.from_pretrained(compiled_folder)
     assert model._compiled_step is not None
     eager = eager_twin(compiled_folder)
-    for seed in (0, 4):
-        ids, mask = batch(seed=seed, lengths=(7, 4, 6, 2))
-        processors = LogitsProcessorList([ending([3, 7, 5, 12])])
-        kwargs = dict(input_ids=ids, attention_mask=mask, logits_processor=processors, **settings)
+    for kwargs in ending_calls(ending, settings):
         compiled = model.generate(**kwargs)
         assert torch.equal(compiled, eager.generate(**kwargs))
         assert torch.equal(compiled, model.generate(fast_decoding=False, **kwargs))
@@ -167,10 +172,7 @@ def test_the_int8_step_gives_the_eager_int8_ids(compiled_folder, settings, steps
     in_place = VaswaniForConditionalGeneration.from_pretrained(compiled_folder)
     quantize_int8(in_place, inplace=True)
     assert in_place._compiled_step.int8 == [module for _, module in compiled_decoding.int8_layers(in_place)]
-    for seed in (0, 4):
-        ids, mask = batch(seed=seed, lengths=(7, 4, 6, 2))
-        processors = LogitsProcessorList([EndsAtPerSource([3, 7, 5, 12])])
-        kwargs = dict(input_ids=ids, attention_mask=mask, logits_processor=processors, **settings)
+    for kwargs in ending_calls(EndsAtPerSource, settings):
         compiled = model.generate(**kwargs)
         assert torch.equal(compiled, eager.generate(**kwargs))
         assert torch.equal(in_place.generate(**kwargs), compiled)
