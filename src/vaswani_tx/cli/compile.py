@@ -1,4 +1,4 @@
-"""Compile a saved model's decoding step ahead of time (AOTInductor), into MODEL/compiled and MODEL/compiled-int8.
+"""Compile a saved model's decoding steps ahead of time (AOTInductor), into MODEL/compiled, compiled-int8, compiled-bf16.
 
 Once compiled, every later process that loads the folder (`from_pretrained`, `pipeline("translation")`,
 `vaswani-tx translate` and `evaluate`) decodes through it with no flag and no compilation wait, where it
@@ -24,7 +24,7 @@ import argparse
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
-    parser.add_argument("model", help="saved model folder (config.json, weights); the step goes into MODEL/compiled")
+    parser.add_argument("model", help="saved model folder (config.json, weights); the steps go into MODEL/compiled*")
     parser.add_argument(
         "--no-int8",
         dest="int8",
