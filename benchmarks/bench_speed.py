@@ -88,14 +88,10 @@ def build_models(root: Path) -> dict[str, Path]:
     export_ct2(paths["ours"], paths["ct2-ours-int8"], quantization="int8")
     # `vaswani-tx compile`: the folder's compiled decoding steps, which "ours" (the default path), "ours-int8"
     # (`quantize_int8`) and "ours-bf16" (loaded in bfloat16) then load.
-    from vaswani_tx.compile_step import compile_decoder_step
-    from vaswani_tx.precision import bf16_is_fast
-    from vaswani_tx.quantization import quantize_int8
+    from vaswani_tx.compile_step import compile_decoder_steps
 
-    compile_decoder_step(ours, paths["ours"])
-    compile_decoder_step(quantize_int8(ours), paths["ours"])
-    if bf16_is_fast("cpu")[0]:  # the bfloat16 step, for "ours-bf16", where --dtype auto picks bfloat16
-        compile_decoder_step(ours.to(torch.bfloat16), paths["ours"])
+    for _ in compile_decoder_steps(ours, paths["ours"]):  # the bfloat16 step where --dtype auto picks bfloat16
+        pass
 
     marian = MarianMTModel(marian_config(MarianConfig)).eval()
     marian.save_pretrained(paths["marian"])

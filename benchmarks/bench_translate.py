@@ -156,13 +156,10 @@ def save_afresh(model_folder: str, tmp: Path) -> tuple[Path, Path]:
     """The model saved with this tree's code (what `trust_remote_code` runs) twice: with its decoding steps
     compiled (`vaswani-tx compile`: the float32 model's, the int8 model's and, where bf16 is fast, the bfloat16
     model's) and without."""
-    import torch
     from transformers import AutoTokenizer
 
-    from vaswani_tx.compile_step import compile_decoder_step
+    from vaswani_tx.compile_step import compile_decoder_steps
     from vaswani_tx.modeling_vaswani import VaswaniForConditionalGeneration
-    from vaswani_tx.precision import bf16_is_fast
-    from vaswani_tx.quantization import quantize_int8
 
     model = VaswaniForConditionalGeneration.from_pretrained(model_folder)
     tokenizer = AutoTokenizer.from_pretrained(model_folder)
@@ -170,10 +167,8 @@ def save_afresh(model_folder: str, tmp: Path) -> tuple[Path, Path]:
     for folder in folders:
         model.save_pretrained(folder)
         tokenizer.save_pretrained(folder)
-    compile_decoder_step(model, folders[0])
-    compile_decoder_step(quantize_int8(model), folders[0])
-    if bf16_is_fast("cpu")[0]:  # the bfloat16 step, for translate-auto, where --dtype auto picks bfloat16
-        compile_decoder_step(model.to(torch.bfloat16), folders[0])
+    for _ in compile_decoder_steps(model, folders[0]):  # translate-auto's bfloat16 step where --dtype auto picks it
+        pass
     return folders
 
 

@@ -142,6 +142,39 @@ def _example(model: nn.Module) -> tuple:
     return tokens, slots(config.d_k), slots(config.d_v), per_source(config.d_k), per_source(config.d_v), sources, mask
 
 
+def compile_decoder_steps(model: nn.Module, folder: str | os.PathLike, int8: bool = True, bf16: bool = True):
+    """`vaswani-tx compile`: the float32 `model`'s step into `folder`, then the int8 model's (`quantize_int8`'s copy)
+    with `int8`, and with `bf16` the bfloat16 model's where `--dtype auto` picks bfloat16 (the CPU has bf16
+    instructions). Yields a line for each as it is written, or saying why there is none; `model` stays float32."""
+    import copy
+    import time
+
+    from .precision import bf16_is_fast
+    from .quantization import quantize_int8
+
+    start = time.perf_counter()
+    yield f"wrote the compiled decoding step to {compile_decoder_step(model, folder)} in {time.perf_counter() - start:.1f} s"
+    if int8:
+        start = time.perf_counter()
+        try:
+            quantized = quantize_int8(model)  # a copy, as the bfloat16 model below
+        except UserInputError as error:  # no int8 engine in this torch: --int8 is refused here anyway
+            yield f"no int8 step: {error}"
+        else:
+            out = compile_decoder_step(quantized, folder)
+            yield f"wrote the int8 model's compiled decoding step to {out} in {time.perf_counter() - start:.1f} s"
+    if bf16:
+        fast, why = bf16_is_fast("cpu")
+        if not fast:
+            yield f"no bfloat16 step: --dtype auto decodes in float32 here ({why})"
+            return
+        start = time.perf_counter()
+        # the copy goes without the float32 step, whose library would be loaded again for it
+        bfloat16 = copy.deepcopy(model, memo={id(getattr(model, "_compiled_step", None)): None}).to(torch.bfloat16)
+        out = compile_decoder_step(bfloat16, folder)
+        yield f"wrote the bfloat16 model's compiled decoding step to {out} in {time.perf_counter() - start:.1f} s"
+
+
 def compile_decoder_step(model: nn.Module, folder: str | os.PathLike) -> Path:
     """Export and compile `model`'s decoding step into `folder`/compiled, or `folder`/compiled-int8 for an int8 model
     (`quantize_int8`), `folder`/compiled-bf16 for a bfloat16 one, replaced whole; returns that folder.

@@ -172,7 +172,7 @@ def _within(spare: torch.Tensor | None, shape: list[int], like: torch.Tensor, sl
     (with `slack`, a view of one twice that size, so that buffers growing a position a step are not new at each)."""
     size = math.prod(shape)
     if spare is None or spare.numel() < size or spare.dtype != like.dtype or spare.device != like.device:
-        return like.new_empty(2 * size).view(-1)[:size].view(shape) if slack else like.new_empty(shape)
+        return like.new_empty(2 * size)[:size].view(shape) if slack else like.new_empty(shape)
     return spare.view(-1)[:size].view(shape)
 
 

@@ -41,40 +41,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import time
     from pathlib import Path
 
-    from vaswani_tx.compile_step import compile_decoder_step
-    from vaswani_tx.errors import UserInputError
+    from vaswani_tx.compile_step import compile_decoder_steps
     from vaswani_tx.modeling_vaswani import VaswaniForConditionalGeneration
     from vaswani_tx.translation import check_model_folder
 
     check_model_folder(Path(args.model))
     model = VaswaniForConditionalGeneration.from_pretrained(args.model)
-    start = time.perf_counter()
-    out = compile_decoder_step(model, args.model)
-    print(f"wrote the compiled decoding step to {out} in {time.perf_counter() - start:.1f} s")
-    if args.int8:
-        from vaswani_tx.quantization import quantize_int8
-
-        start = time.perf_counter()
-        try:
-            int8 = quantize_int8(model)  # a copy: the bfloat16 step below starts from the float32 weights
-        except UserInputError as error:  # no int8 engine in this torch: --int8 is refused here anyway
-            print(f"no int8 step: {error}")
-        else:
-            out = compile_decoder_step(int8, args.model)
-            print(f"wrote the int8 model's compiled decoding step to {out} in {time.perf_counter() - start:.1f} s")
-    if args.bf16:
-        import torch
-
-        from vaswani_tx.precision import bf16_is_fast
-
-        fast, why = bf16_is_fast("cpu")
-        if not fast:
-            print(f"no bfloat16 step: --dtype auto decodes in float32 here ({why})")
-            return 0
-        start = time.perf_counter()
-        out = compile_decoder_step(model.to(torch.bfloat16), args.model)
-        print(f"wrote the bfloat16 model's compiled decoding step to {out} in {time.perf_counter() - start:.1f} s")
+    for line in compile_decoder_steps(model, args.model, int8=args.int8, bf16=args.bf16):
+        print(line)
     return 0
