@@ -92,14 +92,14 @@ def test_the_compiled_step_gives_the_eager_and_transformers_ids(compiled_folder,
 
 
 def test_what_the_step_does_not_cover_decodes_eagerly(compiled_folder, steps):
-    """A decoder prefix of several tokens, a model in training mode or in bfloat16: the eager step, same ids."""
+    """A decoder prefix of several tokens, a model in float16 (no step has that dtype): the eager step, same ids."""
     model = VaswaniForConditionalGeneration.from_pretrained(compiled_folder)
     eager = eager_twin(compiled_folder)
     ids, mask = batch(seed=3)
     prefix = torch.tensor([[2, 7], [2, 9], [2, 11]])
     out = model.generate(input_ids=ids, attention_mask=mask, decoder_input_ids=prefix, num_beams=3)
     assert torch.equal(out, eager.generate(input_ids=ids, attention_mask=mask, decoder_input_ids=prefix, num_beams=3))
-    model.to(torch.bfloat16)
+    model.to(torch.float16)
     model.generate(input_ids=ids, attention_mask=mask, num_beams=2, max_new_tokens=4)
     assert steps == []
 
@@ -250,6 +250,46 @@ def test_a_bfloat16_model_decodes_through_the_bfloat16_step(compiled_folder, tmp
         assert VaswaniForConditionalGeneration.from_pretrained(folder, dtype=torch.bfloat16)._compiled_step is None
     notes = [r.getMessage() for r in caplog.records if r.name == "vaswani_tx.compiled_decoding"]
     assert len(notes) == 1 and "it is for float32 on the CPU, and the model is torch.bfloat16" in notes[0], notes
+
+
+@pytest.mark.skipif(not bf16_is_fast("cpu")[0], reason="a CPU without bf16 instructions: no bfloat16 step")
+def test_a_model_converted_after_loading_decodes_through_the_step_for_its_new_dtype(
+    compiled_folder, tmp_path, caplog, steps
+):
+    """`from_pretrained(folder)` then `.to(torch.bfloat16)`: the next generate() loads the folder's bfloat16 step,
+    with the ids of the model loaded in bfloat16; `.float()` goes back to the float32 step, with the float32 ids,
+    and converting again loads nothing more. A folder without a bfloat16 step: its one line, once, and the eager
+    path. A step set to None by hand stays so."""
+    ids, mask = batch(seed=4, lengths=(7, 4, 6, 2))
+    kwargs = dict(input_ids=ids, attention_mask=mask, num_beams=4, max_new_tokens=12)
+    in_bf16 = VaswaniForConditionalGeneration.from_pretrained(compiled_folder, dtype=torch.bfloat16).generate(**kwargs)
+    in_fp32 = eager_twin(compiled_folder).generate(**kwargs)
+    model = VaswaniForConditionalGeneration.from_pretrained(compiled_folder)
+    loads = []
+    original = compiled_decoding.load_compiled_step
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(compiled_decoding, "load_compiled_step", lambda *a: loads.append(1) or original(*a))
+        for dtype, expected, precision in ((torch.bfloat16, in_bf16, "bfloat16"), (torch.float32, in_fp32, "float32")):
+            for _ in range(2):
+                model.to(dtype)
+                steps.clear()
+                assert torch.equal(model.generate(**kwargs), expected) and steps
+                assert model._compiled_step.manifest.get("precision", "float32") == precision
+    assert len(loads) == 1  # the bfloat16 step, once; the float32 one was loaded by from_pretrained
+
+    folder = copy_of(compiled_folder, tmp_path)
+    shutil.rmtree(folder / compiled_decoding.BF16_FOLDER)
+    model = VaswaniForConditionalGeneration.from_pretrained(folder).to(torch.bfloat16)
+    with caplog.at_level(logging.WARNING, logger="vaswani_tx.compiled_decoding"):
+        for _ in range(2):
+            steps.clear()
+            assert torch.equal(model.generate(**kwargs), in_bf16) and not steps
+    notes = [r.getMessage() for r in caplog.records if r.name == "vaswani_tx.compiled_decoding"]
+    assert len(notes) == 1 and "it is for float32 on the CPU, and the model is torch.bfloat16" in notes[0], notes
+    model = VaswaniForConditionalGeneration.from_pretrained(compiled_folder)
+    model._compiled_step = None
+    steps.clear()
+    assert torch.equal(model.generate(**kwargs), in_fp32) and not steps
 
 
 def copy_model_without_step(model):

@@ -353,7 +353,28 @@ def _first_line(error: BaseException) -> str:
 
 def attach(model: nn.Module, folder: str | os.PathLike) -> None:
     """Load `folder`'s compiled step for `model` (from_pretrained calls this, and `quantize_int8` again for the int8
-    step), where there is one and it fits."""
+    step), where there is one and it fits. The folder is kept, so that a model converted later (`.to(torch.bfloat16)`,
+    `.float()`) gets the step for its new dtype (`step_for_dtype`)."""
     found = Path(folder).is_dir()
     model._compiled_step = load_compiled_step(model, folder) if found else None
     model._compiled_folder = str(folder) if found else None
+    model._compiled_steps = {precision(model): model._compiled_step}  # the steps loaded so far, by precision
+    model._compiled_for = next(model.parameters()).dtype
+
+
+def step_for_dtype(model: nn.Module) -> CompiledStep | None:
+    """The model's compiled step for the dtype its weights have now. A model converted since its step was attached
+    (`from_pretrained(folder)` then `.to(torch.bfloat16)`, or back with `.float()`) gets its folder's step for the
+    new dtype, loaded at the first call after the conversion (and kept, one per precision, so that converting back
+    and forth loads each once); where the folder has none, the one logged line of `load_compiled_step` and the
+    eager path. Unconverted, the model's `_compiled_step` as it is (None: eager, as set)."""
+    folder = getattr(model, "_compiled_folder", None)
+    dtype = next(model.parameters()).dtype
+    if folder is None or dtype == getattr(model, "_compiled_for", dtype):
+        return getattr(model, "_compiled_step", None)
+    kind = precision(model)
+    steps = model.__dict__.setdefault("_compiled_steps", {})
+    if kind not in steps:
+        steps[kind] = load_compiled_step(model, folder) if kind is not None else None
+    model._compiled_step, model._compiled_for = steps[kind], dtype
+    return model._compiled_step

@@ -76,7 +76,7 @@ from transformers.generation.stopping_criteria import (
     StopStringCriteria,
 )
 
-from .compiled_decoding import CompiledStep, gemm_backend
+from .compiled_decoding import CompiledStep, gemm_backend, step_for_dtype
 from .static_decoding import CACHE_FIELD, _Keys, is_static_cache
 
 # --- the cache ---------------------------------------------------------------------------------------------------
@@ -905,7 +905,7 @@ class CompiledSession:
 
 def session_applies(model: nn.Module, input_ids: torch.Tensor, max_length: int, model_kwargs: dict):
     """The model's compiled step if this call can decode through it, else None."""
-    compiled = getattr(model, "_compiled_step", None)
+    compiled = step_for_dtype(model)
     if compiled is None or input_ids.shape[1] != 1 or max_length > compiled.rows:
         return None
     encoder_output = model_kwargs["encoder_outputs"][0]
