@@ -104,6 +104,37 @@ def test_what_the_step_does_not_cover_decodes_eagerly(compiled_folder, steps):
     assert steps == []
 
 
+def test_the_steps_encoder_decoder_attention_is_sums_of_products_not_batched_matrix_products():
+    """A source's k beams against its S keys are thousands of tiny products a step, which Inductor's loops run faster
+    than batched GEMM calls: exported, the encoder-decoder attention is element-wise products and sums
+    (`broadcast_attention`), and only the self-attention's one query a row (which Inductor turns into loops itself)
+    is a matrix product; its output is the eager attention's to float32 rounding."""
+    from torch.export import export
+
+    from vaswani_tx.compile_step import DecoderStep, _example
+    from vaswani_tx.modeling_vaswani import broadcast_attention, scaled_dot_product_attention
+
+    model = eos_prone_model(seed=0).eval()
+    with torch.no_grad():
+        program = export(DecoderStep(model), _example(model), strict=False)
+    products = [
+        node
+        for node in program.graph.nodes
+        if node.target in (torch.ops.aten.bmm.default, torch.ops.aten.matmul.default)
+    ]
+    assert len(products) == 2 * model.config.num_decoder_layers  # q K^T and the weights times V of the self-attention
+
+    generator = torch.Generator().manual_seed(0)
+    query, key, value = (torch.randn(3, 4, length, 8, generator=generator) for length in (6, 5, 5))
+    mask = torch.zeros(3, 1, 1, 5).masked_fill(torch.tensor([False, False, False, True, True]), -1e9)
+    attention = model.get_decoder().layers[0].cross_attn
+    for out, eager in zip(
+        broadcast_attention(attention, query, key, value, mask, 0.35),
+        scaled_dot_product_attention(attention, query, key, value, mask, 0.35),
+    ):
+        assert out.shape == eager.shape and torch.allclose(out, eager, atol=1e-6)
+
+
 def test_the_step_reads_the_models_own_weights(compiled_folder, steps):
     """No copy of the weights in the library: a change in place is decoded with at once, and tensors replaced
     by `load_state_dict(assign=True)` are bound again."""

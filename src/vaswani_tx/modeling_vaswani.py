@@ -192,6 +192,29 @@ def scaled_dot_product_attention(
     return output, weights
 
 
+def broadcast_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float,
+    dropout: float = 0.0,
+    **kwargs,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Equation 1 as `scaled_dot_product_attention` computes it, its two products written as element-wise products
+    and sums over broadcast views: what a compiled decoding step uses for the encoder-decoder attention (inference
+    only). There each source's few queries (its k beams) meet its own S keys, thousands of tiny products a step,
+    which Inductor's generated loops run 1.2-2x faster than batched GEMM calls (and without copying the queries
+    and outputs between layouts). The same maths, its float32 sums in another order."""
+    scores = (query[..., :, None, :] * key[..., None, :, :]).sum(-1) * scaling  # (B, h, T, S)
+    if attention_mask is not None:
+        scores = scores + attention_mask
+    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    output = (weights[..., None] * value[..., None, :, :]).sum(-2).transpose(1, 2)  # (B, T, h, d_v)
+    return output, weights
+
+
 class MultiHeadAttention(nn.Module):
     """MultiHead(Q, K, V) = Concat(head_1, ..., head_h) W^O, head_i = Attention(Q W_i^Q, K W_i^K, V W_i^V) (Section 3.2.2).
 
@@ -284,6 +307,8 @@ class MultiHeadAttention(nn.Module):
             attend = ALL_ATTENTION_FUNCTIONS.get_interface(
                 self.config._attn_implementation, scaled_dot_product_attention
             )
+        elif is_cross and not self.training and torch.compiler.is_compiling():
+            attend = broadcast_attention  # a compiled decoding step: see there
         dropout = self.attention_dropout if self.training else 0.0
         output, weights = attend(self, query, key, value, mask, scaling=self.scaling, dropout=dropout)
         output = output.reshape(batch, length, self.num_heads * self.d_v)  # Concat(head_1..head_h): (B, T, h*d_v)
