@@ -177,31 +177,27 @@ def scaled_dot_product_attention(
     attention_mask: torch.Tensor | None,
     scaling: float,
     dropout: float = 0.0,
+    broadcast: bool = False,
     **kwargs,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention(Q, K, V) = softmax(Q K^T / sqrt(d_k)) V (Section 3.2.1, Equation 1): the "eager" implementation.
 
     query (B, h, T, d_k), key (B, h, S, d_k), value (B, h, S, d_v); returns (B, T, h, d_v) and the weights
-    (B, h, T, S). Same signature as transformers' attention interface, which supplies the SDPA version."""
-    scores = torch.matmul(query, key.transpose(-1, -2)) * scaling  # (B, h, T, S)
+    (B, h, T, S). Same signature as transformers' attention interface, which supplies the SDPA version.
+    `broadcast`: the two products as element-wise products and sums over broadcast views (`broadcast_attention`)."""
+    if broadcast:
+        scores = (query[..., :, None, :] * key[..., None, :, :]).sum(-1) * scaling
+    else:
+        scores = torch.matmul(query, key.transpose(-1, -2)) * scaling  # (B, h, T, S)
     if attention_mask is not None:
         scores = scores + attention_mask
     weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
     weights = apply_dropout(weights, dropout, module.training)
-    output = torch.matmul(weights, value).transpose(1, 2)  # (B, h, T, d_v) -> (B, T, h, d_v)
-    return output, weights
+    output = (weights[..., None] * value[..., None, :, :]).sum(-2) if broadcast else torch.matmul(weights, value)
+    return output.transpose(1, 2), weights  # (B, h, T, d_v) -> (B, T, h, d_v)
 
 
-def broadcast_attention(
-    module: nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    scaling: float,
-    dropout: float = 0.0,
-    **kwargs,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def broadcast_attention(module: nn.Module, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
     """Equation 1 as `scaled_dot_product_attention` computes it, its two products written as element-wise products
     and sums over broadcast views: what a compiled decoding step uses for the encoder-decoder attention (inference
     only). There each source's few queries (its k beams) meet its own S keys, thousands of tiny products a step,
@@ -209,12 +205,7 @@ def broadcast_attention(
     and outputs between layouts). The same maths, its float32 sums in another order. Not for bfloat16, where
     oneDNN's batched products use the CPU's bf16 dot-product instructions and the loops would not (Multi30k val
     through the bfloat16 step: 5-10% slower with them)."""
-    scores = (query[..., :, None, :] * key[..., None, :, :]).sum(-1) * scaling  # (B, h, T, S)
-    if attention_mask is not None:
-        scores = scores + attention_mask
-    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
-    output = (weights[..., None] * value[..., None, :, :]).sum(-2).transpose(1, 2)  # (B, T, h, d_v)
-    return output, weights
+    return scaled_dot_product_attention(module, *args, broadcast=True, **kwargs)
 
 
 class MultiHeadAttention(nn.Module):
