@@ -20,8 +20,9 @@ source scripts/forward_signals.sh
 
 forwarding $VX train "$CONFIG" --resume "$@"   # ends by averaging the last 30 checkpoints into $RUN/averaged
 # Its float32 decoding step compiled ahead of time: later processes decode faster. The job decodes in float32 only;
-# `vaswani-tx compile MODEL` without the two flags adds the int8 and bf16 models' steps, about a minute more.
-forwarding $VX compile "$RUN/averaged" --no-int8 --no-bf16 ||
+# `vaswani-tx compile MODEL` without the flags adds the int8 and bf16 models' steps and the few-rows step (a
+# sentence at a time: greedy or a small beam), about two minutes more; the job's decoding is in batches.
+forwarding $VX compile "$RUN/averaged" --no-int8 --no-bf16 --no-few-rows ||
     echo "(no compiled decoding step: the model decodes eagerly, with the same translations)"
 echo "== val (all $(wc -l < "$DATA/val.en") sentences), averaged model, its saved decoding settings:"
 forwarding $VX evaluate "$RUN/averaged" --source "$DATA/val.en" --reference "$DATA/val.de" --output-dir "$RUN/averaged" \

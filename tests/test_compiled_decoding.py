@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+import zipfile
 
 import pytest
 import torch
@@ -155,6 +156,78 @@ def test_the_step_reads_the_models_own_weights(compiled_folder, steps):
         model.generate(input_ids=ids, attention_mask=mask), eager.generate(input_ids=ids, attention_mask=mask)
     )
     assert steps
+
+
+@pytest.fixture
+def few_rows_calls(monkeypatch):
+    """The rows of each call of a compiled step: few-rows step's (True) or the other's (False)."""
+    calls = []
+    original = compiled_decoding.CompiledStep.__call__
+
+    def counting(self, tokens, *args):
+        calls.append(self.few_rows is not None)
+        return original(self, tokens, *args)
+
+    monkeypatch.setattr(compiled_decoding.CompiledStep, "__call__", counting)
+    return calls
+
+
+def test_calls_of_a_few_rows_decode_through_the_few_rows_step(compiled_folder, few_rows_calls):
+    """`vaswani-tx compile` writes the few-rows step (`compiled-few`: its own copy of the weights packed for Inductor's
+    kernels, in a safetensors file beside a package that holds none), which decodes calls of up to `FEW_ROWS_MAX`
+    rows (sources x beams) and gives the eager ids; calls of more rows go through the other step."""
+    few = compiled_folder / compiled_decoding.FEW_ROWS_FOLDER
+    manifest = json.loads((few / MANIFEST).read_text())
+    assert (
+        manifest["few_rows"] == compiled_decoding.FEW_ROWS_MAX and (few / compiled_decoding.FEW_ROWS_WEIGHTS).is_file()
+    )
+    with zipfile.ZipFile(few / PACKAGE) as package:
+        assert not [name for name in package.namelist() if "/data/weights/" in name]
+    model = VaswaniForConditionalGeneration.from_pretrained(compiled_folder)
+    eager = eager_twin(compiled_folder)
+    assert "few_rows" not in model._compiled_steps  # loaded at the first call that needs it
+    cases = [((7,), 1), ((7,), 4), ((5, 3), 3), ((6, 4, 2), 1), ((7, 4, 6, 2), 2), ((7, 4, 6, 2), 3), ((7,) * 9, 1)]
+    for lengths, beams in cases:
+        few_rows_calls.clear()
+        ids, mask = batch(seed=4, lengths=lengths)
+        kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=12, num_beams=beams)
+        assert torch.equal(model.generate(**kwargs), eager.generate(**kwargs))
+        rows = len(lengths) * beams
+        assert few_rows_calls and set(few_rows_calls) == {rows <= compiled_decoding.FEW_ROWS_MAX}, (rows, lengths)
+
+
+def test_the_few_rows_step_serves_only_the_weights_it_was_compiled_from(compiled_folder, tmp_path, few_rows_calls):
+    """Its weights are a copy: a model whose weights changed in place (or were replaced) decodes through the other
+    step, which reads the model's own; a copy of the model (`copy.deepcopy`) binds its own few-rows step; a folder
+    compiled without it (`--no-few-rows`), or whose copy of the weights is damaged, decodes through the other."""
+    import copy
+
+    model = VaswaniForConditionalGeneration.from_pretrained(compiled_folder)
+    ids, mask = batch(seed=5, lengths=(6, 3))
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=12, num_beams=3)  # 6 rows
+    twin = copy.deepcopy(model)
+    changed = eager_twin(compiled_folder)
+    with torch.no_grad():
+        for m in (model, changed):
+            m.model.decoder.layers[0].feed_forward.w_1.weight.mul_(-1.5)
+    assert torch.equal(model.generate(**kwargs), changed.generate(**kwargs))
+    assert few_rows_calls and not any(few_rows_calls)
+    few_rows_calls.clear()
+    assert torch.equal(twin.generate(**kwargs), eager_twin(compiled_folder).generate(**kwargs))
+    assert few_rows_calls and all(few_rows_calls)
+
+    folder = copy_of(compiled_folder, tmp_path)
+    weights = folder / compiled_decoding.FEW_ROWS_FOLDER / compiled_decoding.FEW_ROWS_WEIGHTS
+    weights.write_bytes(weights.read_bytes()[:1000])
+    damaged = VaswaniForConditionalGeneration.from_pretrained(folder)
+    few_rows_calls.clear()
+    assert torch.equal(damaged.generate(**kwargs), eager_twin(compiled_folder).generate(**kwargs))
+    assert few_rows_calls and not any(few_rows_calls) and damaged._compiled_steps["few_rows"] is None
+    shutil.rmtree(folder / compiled_decoding.FEW_ROWS_FOLDER)
+    plain = VaswaniForConditionalGeneration.from_pretrained(folder)
+    few_rows_calls.clear()
+    plain.generate(**kwargs)
+    assert few_rows_calls and not any(few_rows_calls)
 
 
 def test_a_copy_of_the_model_decodes_through_a_step_of_its_own_and_int8_through_the_int8_step(compiled_folder, steps):

@@ -27,6 +27,13 @@ layer (`int8_layers`), and Inductor compiles everything around them (attention, 
 loads it for a model from a folder that has one. A bfloat16 model (`from_pretrained(folder, dtype=torch.bfloat16)`,
 `--dtype auto` on CPUs with bf16 instructions) has one too, `compiled-bf16/`, the same graph over bfloat16 tensors.
 
+Calls of a few rows (at most `FEW_ROWS_MAX` sources x beams: a sentence at a time, greedy or with a small beam)
+read every weight once a step for a handful of products, which makes them bound by reading the weights. The float32
+model has a step for them, `compiled-few/`: the same graph compiled with Inductor's freezing and its C++ GEMM
+template, whose matrix-vector kernels read weights it packed at compile time about twice as fast as oneDNN's product
+(docs/speed.md). Those packed weights are its own copy (`compiled-few/weights.safetensors`, mapped at loading), so it
+serves the weights it was compiled from only: a model whose tensors changed since decodes through the other step.
+
 Compiling is compile_step.py's (it stays in the package). This file travels with saved weights for
 `trust_remote_code`: torch and errors.py only.
 """
@@ -53,6 +60,13 @@ logger = logging.getLogger(__name__)
 FOLDER = "compiled"
 INT8_FOLDER = "compiled-int8"  # the int8 model's step, beside the float32 one
 BF16_FOLDER = "compiled-bf16"  # the bfloat16 model's (`--dtype auto` on CPUs with bf16 instructions)
+FEW_ROWS_FOLDER = "compiled-few"  # the float32 model's for calls of at most FEW_ROWS_MAX rows (compile_step.py)
+# Up to this many rows (sources x beams) a call decodes through the few-rows step. Its products read the weights
+# about twice as fast as oneDNN's at 1-4 rows, but read them again for each further block of rows: the base model,
+# AMD EPYC, against the other step, 1 / 2 threads: 1.5-1.7x / 1.4-1.5x at 1, 4 and 6 rows, 1.15x / 1.24x at 8,
+# 0.92x / 0.99x at 16, 0.78x / 0.86x at 32 (docs/speed.md).
+FEW_ROWS_MAX = 8
+FEW_ROWS_WEIGHTS = "weights.safetensors"  # its own tensors: the weights packed for its products, mapped at loading
 PACKAGE = "decoder_step.pt2"
 MANIFEST = "manifest.json"
 FORMAT = 1
@@ -214,6 +228,12 @@ class CompiledStep:
         self.bound: tuple | None = None
         # an int8 step: the model's int8 layers, which the step calls by index (`int8_operator`)
         self.int8: list[nn.Module] | None = [] if manifest.get("precision") == "int8" else None
+        # the few-rows step: it reads its own copy of the weights (packed for its products), takes the tokens'
+        # embedding rows, and serves while the model's tensors are those it was bound to, unchanged (`_versions`)
+        self.few_rows: int | None = manifest.get("few_rows")
+        self.embedding: torch.Tensor | None = None
+        self.own: dict | None = None
+        self.released = False  # the model's plain pages of the tensors it copies, given back (fast_decoding.py)
         self.dtype = PRECISIONS[manifest.get("precision", "float32")][1]  # of the tensors it reads and gives
         if model is not None:
             self.bind(model)
@@ -222,31 +242,44 @@ class CompiledStep:
         """Copied (`copy.deepcopy` of the model) or pickled (`torch.save` of the whole model, a process spawned with
         it): the loaded library itself cannot be, so the copy loads its own from the same package and binds it to
         its own tensors at its first call (`usable`); where the package is gone by then, it decodes eagerly."""
-        state = dict(self.__dict__, runner=None)
+        state = dict(self.__dict__, runner=None, own=None, embedding=None, released=False)
         state["bound"] = tuple(
             (name, shape, None, dtype, device) for name, shape, _, dtype, device in self.bound or ()
-        )
+        ) if self.few_rows is None else None  # fmt: skip
         return state
 
     def __setstate__(self, state: dict) -> None:
-        self.__dict__.update({"int8": None, "dtype": torch.float32, **state})  # pickled before int8 and bf16 steps
+        # pickled before int8, bf16 and few-rows steps
+        self.__dict__.update(
+            {"int8": None, "dtype": torch.float32, "few_rows": None, "embedding": None, "own": None, "released": False}
+            | state
+        )
         try:
             self.runner = _loader(self.package)
         except Exception as error:  # moved, deleted, or another machine's
             logger.warning("%s: not using the compiled decoding step: %s; decoding eagerly", self.package, error)
 
     def bind(self, model: nn.Module) -> None:
-        """Point the library at the model's tensors (again, if they were replaced: `load_state_dict(assign=True)`)."""
+        """Point the library at the model's tensors (again, if they were replaced: `load_state_dict(assign=True)`).
+        A few-rows step's are in its library: it keeps the embedding matrix and the tensors' versions."""
         tensors = step_tensors(model)
+        if self.few_rows is not None and self.own is None:
+            from safetensors import safe_open
+
+            with safe_open(str(Path(self.package).parent / FEW_ROWS_WEIGHTS), framework="pt") as weights:
+                self.own = {name: weights.get_tensor(name) for name in weights.keys()}  # noqa: SIM118
         if self.table is None and TABLE in self.manifest["constants"].values():
             decoder = model.get_decoder()
             table_function = decoder.embeddings.embed_positions.table_function
             self.table = table_function(int(self.manifest["table_rows"]), model.config.d_model).to(self.dtype)
-        constants = {name: (self.table if source == TABLE else tensors[source])
-                     for name, source in self.manifest["constants"].items()}  # fmt: skip
+        constants = {name: (self.table if source == TABLE else self.own[name] if source == FEW_ROWS_WEIGHTS
+                            else tensors[source]) for name, source in self.manifest["constants"].items()}  # fmt: skip
         # (use_inactive, check_full_update, user_managed): the library reads these tensors, no copy
         self.runner.load_constants(constants, False, True, True)
         self.bound = _identity(model)
+        if self.few_rows is not None:
+            self.embedding = model.get_decoder().embeddings.embed_tokens.weight
+            self.bound = _versions(model)
         if self.int8 is not None:
             self.int8 = [module for _, module in int8_layers(model)]
 
@@ -256,6 +289,10 @@ class CompiledStep:
         else decodes eagerly)."""
         if model.training or self.runner is None:
             return False
+        if self.few_rows is not None:  # its weights are its own copy: the model's must be those, unchanged
+            if self.embedding is None and weights_fingerprint(model) == self.manifest["weights"]:
+                self.bind(model)  # a copy of the model (`copy.deepcopy`, unpickled): its step binds at its first call
+            return _versions(model) == self.bound
         identity = _identity(model)
         layers = None if self.int8 is None else int8_layers(model)
         same_layers = layers is None or [module for _, module in layers] == self.int8
@@ -273,10 +310,17 @@ class CompiledStep:
     def __call__(self, tokens, self_keys, self_values, cross_keys, cross_values, sources, source_mask) -> torch.Tensor:
         if self.int8 is not None:
             int8_operator().layers = self.int8
+        if self.few_rows is not None:
+            tokens = nn.functional.embedding(tokens, self.embedding)
         # The library's own entry point with the flat list of tensors (the package's __call__ would parse its
         # input and output specs again at every step).
         flat = [tokens, *self_keys, *self_values, *cross_keys, *cross_values, sources, source_mask]
         return self.runner.boxed_run(flat)[0]
+
+
+def _versions(model: nn.Module) -> tuple:
+    """Each tensor the step reads, and whether it was changed in place since (its version counter)."""
+    return tuple((id(t), t._version, t.data_ptr()) for t in step_tensors(model).values())
 
 
 def _identity(model: nn.Module) -> tuple:
@@ -285,13 +329,14 @@ def _identity(model: nn.Module) -> tuple:
     )
 
 
-def load_compiled_step(model: nn.Module, folder: str | os.PathLike) -> CompiledStep | None:
+def load_compiled_step(model: nn.Module, folder: str | os.PathLike, few_rows: bool = False) -> CompiledStep | None:
     """The compiled step in `folder`/compiled for `model` (`folder`/compiled-int8 for an int8 model, compiled-bf16
-    for a bfloat16 one), or None (with one logged line saying why) when there is none, or it was made for another
-    torch, CPU, architecture, set of weights or of int8 layers, or it cannot be read. A model in another dtype than
-    the steps' is told so by the float32 step's manifest."""
+    for a bfloat16 one; with `few_rows`, the float32 model's few-rows step, compiled-few), or None (with one logged
+    line saying why) when there is none, or it was made for another torch, CPU, architecture, set of weights or of
+    int8 layers, or it cannot be read. A model in another dtype than the steps' is told so by the float32 step's
+    manifest."""
     kind = precision(model)
-    where = Path(folder) / PRECISIONS[kind or "float32"][0]
+    where = Path(folder) / (FEW_ROWS_FOLDER if few_rows else PRECISIONS[kind or "float32"][0])
     if kind == "bfloat16" and not (where / MANIFEST).is_file():
         where = Path(folder) / FOLDER  # a folder compiled before bf16 steps existed, or on a CPU without them
     manifest_path = where / MANIFEST
@@ -378,3 +423,20 @@ def step_for_dtype(model: nn.Module) -> CompiledStep | None:
         steps[kind] = load_compiled_step(model, folder) if kind is not None else None
     model._compiled_step, model._compiled_for = steps[kind], dtype
     return model._compiled_step
+
+
+def step_for_rows(model: nn.Module, rows: int) -> CompiledStep | None:
+    """The step for a call of `rows` rows (sources x beams): the float32 model's few-rows step up to `FEW_ROWS_MAX`
+    rows where its folder has one that fits the model (loaded at the first such call, then kept), else
+    `step_for_dtype`'s."""
+    compiled = step_for_dtype(model)
+    folder = getattr(model, "_compiled_folder", None)
+    if rows > FEW_ROWS_MAX or compiled is None or folder is None:
+        return compiled
+    if compiled.manifest.get("precision", "float32") != "float32":
+        return compiled
+    steps = model.__dict__.setdefault("_compiled_steps", {})
+    if "few_rows" not in steps:
+        steps["few_rows"] = load_compiled_step(model, folder, few_rows=True)
+    few = steps["few_rows"]
+    return few if few is not None and few.usable(model) else compiled

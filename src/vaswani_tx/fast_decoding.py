@@ -76,7 +76,7 @@ from transformers.generation.stopping_criteria import (
     StopStringCriteria,
 )
 
-from .compiled_decoding import CompiledStep, gemm_backend, step_for_dtype
+from .compiled_decoding import CompiledStep, gemm_backend, step_for_rows, step_tensors
 from .static_decoding import CACHE_FIELD, _Keys, is_static_cache
 
 # --- the cache ---------------------------------------------------------------------------------------------------
@@ -796,7 +796,7 @@ def open_session(
     """The compiled step's session where the model has one that applies to this call (compiled_decoding.py),
     else the eager one; both give the same logits to float32 rounding. `pack`: see `Projection.of`."""
     compiled = session_applies(model, input_ids, max_length, model_kwargs)
-    if compiled is None or packs_beat_compiled(model, input_ids.shape[0]):
+    if compiled is None or (compiled.few_rows is None and packs_beat_compiled(model, input_ids.shape[0])):
         return DecodingSession(model, model_kwargs, rows_per_source, pack)
     projection = Projection.of(model, model_kwargs["encoder_outputs"][0].shape[0], pack)
     return CompiledSession(model, compiled, model_kwargs, rows_per_source, projection)
@@ -905,13 +905,28 @@ class CompiledSession:
 
 def session_applies(model: nn.Module, input_ids: torch.Tensor, max_length: int, model_kwargs: dict):
     """The model's compiled step if this call can decode through it, else None."""
-    compiled = step_for_dtype(model)
+    compiled = step_for_rows(model, input_ids.shape[0])
     if compiled is None or input_ids.shape[1] != 1 or max_length > compiled.rows:
         return None
     encoder_output = model_kwargs["encoder_outputs"][0]
     if encoder_output.dtype != compiled.dtype or encoder_output.device.type != "cpu":
         return None
-    return compiled if compiled.usable(model) else None
+    if not compiled.usable(model):
+        return None
+    if compiled.few_rows is not None and not compiled.released:
+        release_replaced(model, compiled)
+    return compiled
+
+
+def release_replaced(model: nn.Module, few_rows: CompiledStep) -> None:
+    """The plain pages of the model's tensors that the few-rows step holds its own copy of, given back once
+    (`release_file_pages`), as `PackedLinears` does for its packed copies: read back from the file where the other
+    step or the eager path needs them again."""
+    tensors = step_tensors(model)
+    for name, source in few_rows.manifest["constants"].items():
+        if source == name:
+            release_file_pages(tensors[name])
+    few_rows.released = True
 
 
 # --- which calls ---------------------------------------------------------------------------------------------------

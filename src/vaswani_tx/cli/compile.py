@@ -1,9 +1,13 @@
-"""Compile a saved model's decoding steps ahead of time (AOTInductor), into MODEL/compiled, compiled-int8, compiled-bf16.
+"""Compile a saved model's decoding steps ahead of time (AOTInductor): MODEL/compiled, compiled-few, -int8, -bf16.
 
 Once compiled, every later process that loads the folder (`from_pretrained`, `pipeline("translation")`,
 `vaswani-tx translate` and `evaluate`) decodes through it with no flag and no compilation wait, where it
 fits: float32 on the CPU, the same torch version and CPU instruction set, the same weights. Anything else
 decodes eagerly, with one line saying why, and the same results. It holds no copy of the weights.
+Calls of a few rows (up to 8 sources x beams: a sentence at a time, greedy or with a small beam) decode through
+the float32 model's few-rows step (MODEL/compiled-few), 1.4-1.7x faster there: its products read a copy of the
+decoder's weights packed for them (MODEL/compiled-few/weights.safetensors, the decoder layers' size), which serves
+these weights only (a model changed since decodes through MODEL/compiled).
 The int8 model's step (MODEL/compiled-int8) serves `translate --int8` and `quantize_int8` the same way; its
 int8 products are the model's own layers, so its translations are the eager int8 path's to int8 rounding. On a
 CPU with bf16 instructions (where `--dtype auto` picks bfloat16) the bfloat16 model's step (MODEL/compiled-bf16)
@@ -14,7 +18,7 @@ run it again after changing the weights or torch.
 
 examples:
   vaswani-tx compile runs/multi30k-en-de/averaged
-  vaswani-tx compile runs/multi30k-en-de/averaged --no-int8 --no-bf16   # the float32 step only
+  vaswani-tx compile runs/multi30k-en-de/averaged --no-int8 --no-bf16 --no-few-rows   # the float32 step only
 """
 
 from __future__ import annotations
@@ -38,6 +42,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="do not compile the bfloat16 model's step (MODEL/compiled-bf16, for --dtype auto where the CPU has bf16 "
         "instructions) as well",
     )
+    parser.add_argument(
+        "--no-few-rows",
+        dest="few_rows",
+        action="store_false",
+        help="do not compile the float32 model's few-rows step (MODEL/compiled-few, for calls of a few rows: a "
+        "sentence at a time, greedy or with a small beam) as well",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -49,6 +60,6 @@ def run(args: argparse.Namespace) -> int:
 
     check_model_folder(Path(args.model))
     model = VaswaniForConditionalGeneration.from_pretrained(args.model)
-    for line in compile_decoder_steps(model, args.model, int8=args.int8, bf16=args.bf16):
+    for line in compile_decoder_steps(model, args.model, int8=args.int8, bf16=args.bf16, few_rows=args.few_rows):
         print(line)
     return 0
