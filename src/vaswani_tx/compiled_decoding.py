@@ -63,8 +63,8 @@ BF16_FOLDER = "compiled-bf16"  # the bfloat16 model's (`--dtype auto` on CPUs wi
 FEW_ROWS_FOLDER = "compiled-few"  # the float32 model's for calls of at most FEW_ROWS_MAX rows (compile_step.py)
 # Up to this many rows (sources x beams) a call decodes through the few-rows step. Its products read the weights
 # about twice as fast as oneDNN's at 1-4 rows, but read them again for each further block of rows: the base model,
-# AMD EPYC, against the other step, 1 / 2 threads: 1.5-1.7x / 1.4-1.5x at 1, 4 and 6 rows, 1.15x / 1.24x at 8,
-# 0.92x / 0.99x at 16, 0.78x / 0.86x at 32 (docs/speed.md).
+# AMD EPYC, against the other step, 1 / 2 threads: 1.5-1.7x / 1.4-1.5x at 1, 4 and 6 rows, 1.07-1.15x / 1.22-1.24x
+# at 8, 0.84-0.92x / 0.95-0.99x at 16, 0.78x / 0.86x at 32 (docs/speed.md).
 FEW_ROWS_MAX = 8
 FEW_ROWS_WEIGHTS = "weights.safetensors"  # its own tensors: the weights packed for its products, mapped at loading
 PACKAGE = "decoder_step.pt2"
