@@ -196,7 +196,9 @@ def test_calls_of_a_few_rows_decode_through_the_few_rows_step(compiled_folder, f
         assert few_rows_calls and set(few_rows_calls) == {rows <= compiled_decoding.FEW_ROWS_MAX}, (rows, lengths)
 
 
-def test_the_few_rows_step_serves_only_the_weights_it_was_compiled_from(compiled_folder, tmp_path, few_rows_calls):
+def test_the_few_rows_step_serves_only_the_weights_it_was_compiled_from(
+    compiled_folder, tmp_path, few_rows_calls, monkeypatch
+):
     """Its weights are a copy: a model whose weights changed in place (or were replaced) decodes through the other
     step, which reads the model's own; a copy of the model (`copy.deepcopy`) binds its own few-rows step; a folder
     compiled without it (`--no-few-rows`), or whose copy of the weights is damaged, decodes through the other."""
@@ -213,8 +215,20 @@ def test_the_few_rows_step_serves_only_the_weights_it_was_compiled_from(compiled
     assert torch.equal(model.generate(**kwargs), changed.generate(**kwargs))
     assert few_rows_calls and not any(few_rows_calls)
     few_rows_calls.clear()
+    other = copy.deepcopy(twin)
     assert torch.equal(twin.generate(**kwargs), eager_twin(compiled_folder).generate(**kwargs))
     assert few_rows_calls and all(few_rows_calls)
+    with torch.no_grad():  # a copy changed before its first call: the CRC says so, once while it stays unchanged
+        other.model.decoder.layers[0].feed_forward.w_1.weight.mul_(-1.5)
+    checks = []
+    original_fingerprint = compiled_decoding.weights_fingerprint
+    monkeypatch.setattr(
+        compiled_decoding, "weights_fingerprint", lambda m: checks.append(1) or original_fingerprint(m)
+    )
+    few_rows_calls.clear()
+    for _ in range(2):
+        assert torch.equal(other.generate(**kwargs), changed.generate(**kwargs))
+    assert few_rows_calls and not any(few_rows_calls) and len(checks) == 1
 
     folder = copy_of(compiled_folder, tmp_path)
     weights = folder / compiled_decoding.FEW_ROWS_FOLDER / compiled_decoding.FEW_ROWS_WEIGHTS

@@ -234,6 +234,7 @@ class CompiledStep:
         self.embedding: torch.Tensor | None = None
         self.own: dict | None = None
         self.released = False  # the model's plain pages of the tensors it copies, given back (fast_decoding.py)
+        self.refused: tuple | None = None  # a copy's tensors found to be other weights than its own (`usable`)
         self.dtype = PRECISIONS[manifest.get("precision", "float32")][1]  # of the tensors it reads and gives
         if model is not None:
             self.bind(model)
@@ -242,7 +243,7 @@ class CompiledStep:
         """Copied (`copy.deepcopy` of the model) or pickled (`torch.save` of the whole model, a process spawned with
         it): the loaded library itself cannot be, so the copy loads its own from the same package and binds it to
         its own tensors at its first call (`usable`); where the package is gone by then, it decodes eagerly."""
-        state = dict(self.__dict__, runner=None, own=None, embedding=None, released=False)
+        state = dict(self.__dict__, runner=None, own=None, embedding=None, released=False, refused=None)
         state["bound"] = tuple(
             (name, shape, None, dtype, device) for name, shape, _, dtype, device in self.bound or ()
         ) if self.few_rows is None else None  # fmt: skip
@@ -250,10 +251,8 @@ class CompiledStep:
 
     def __setstate__(self, state: dict) -> None:
         # pickled before int8, bf16 and few-rows steps
-        self.__dict__.update(
-            {"int8": None, "dtype": torch.float32, "few_rows": None, "embedding": None, "own": None, "released": False}
-            | state
-        )
+        before = {"int8": None, "dtype": torch.float32, "few_rows": None, "released": False, "refused": None}
+        self.__dict__.update({**before, "embedding": None, "own": None, **state})
         try:
             self.runner = _loader(self.package)
         except Exception as error:  # moved, deleted, or another machine's
@@ -290,9 +289,15 @@ class CompiledStep:
         if model.training or self.runner is None:
             return False
         if self.few_rows is not None:  # its weights are its own copy: the model's must be those, unchanged
-            if self.embedding is None and weights_fingerprint(model) == self.manifest["weights"]:
-                self.bind(model)  # a copy of the model (`copy.deepcopy`, unpickled): its step binds at its first call
-            return _versions(model) == self.bound
+            versions = _versions(model)
+            if self.embedding is None and versions != self.refused:
+                # a copy of the model (`copy.deepcopy`, unpickled): its step binds at its first call where the
+                # copy's weights are still those it was compiled from (checked once while they stay unchanged)
+                if weights_fingerprint(model) != self.manifest["weights"]:
+                    self.refused = versions
+                    return False
+                self.bind(model)
+            return versions == self.bound
         identity = _identity(model)
         layers = None if self.int8 is None else int8_layers(model)
         same_layers = layers is None or [module for _, module in layers] == self.int8
