@@ -35,7 +35,7 @@ template, whose matrix-vector kernels read weights it packed at compile time abo
 serves the weights it was compiled from only: a model whose tensors changed since decodes through the other step.
 
 Compiling is compile_step.py's (it stays in the package). This file travels with saved weights for
-`trust_remote_code`: torch and errors.py only.
+`trust_remote_code`: torch, errors.py and (for the few-rows step's weights) safetensors, which transformers needs.
 """
 
 from __future__ import annotations
