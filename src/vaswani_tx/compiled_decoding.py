@@ -275,10 +275,9 @@ class CompiledStep:
                             else tensors[source]) for name, source in self.manifest["constants"].items()}  # fmt: skip
         # (use_inactive, check_full_update, user_managed): the library reads these tensors, no copy
         self.runner.load_constants(constants, False, True, True)
-        self.bound = _identity(model)
+        self.bound = _identity(model) if self.few_rows is None else _versions(model)
         if self.few_rows is not None:
             self.embedding = model.get_decoder().embeddings.embed_tokens.weight
-            self.bound = _versions(model)
         if self.int8 is not None:
             self.int8 = [module for _, module in int8_layers(model)]
 
@@ -323,9 +322,14 @@ class CompiledStep:
         return self.runner.boxed_run(flat)[0]
 
 
+def tensor_fingerprint(tensor: torch.Tensor) -> tuple:
+    """The tensor, and whether it was changed in place or its storage replaced since (its version counter)."""
+    return (id(tensor), tensor._version, tensor.data_ptr())
+
+
 def _versions(model: nn.Module) -> tuple:
-    """Each tensor the step reads, and whether it was changed in place since (its version counter)."""
-    return tuple((id(t), t._version, t.data_ptr()) for t in step_tensors(model).values())
+    """`tensor_fingerprint` of each tensor the step reads."""
+    return tuple(map(tensor_fingerprint, step_tensors(model).values()))
 
 
 def _identity(model: nn.Module) -> tuple:
@@ -431,17 +435,19 @@ def step_for_dtype(model: nn.Module) -> CompiledStep | None:
 
 
 def step_for_rows(model: nn.Module, rows: int) -> CompiledStep | None:
-    """The step for a call of `rows` rows (sources x beams): the float32 model's few-rows step up to `FEW_ROWS_MAX`
-    rows where its folder has one that fits the model (loaded at the first such call, then kept), else
-    `step_for_dtype`'s."""
+    """The step that can decode a call of `rows` rows (sources x beams) now (`CompiledStep.usable`), or None: the
+    float32 model's few-rows step up to `FEW_ROWS_MAX` rows where its folder has one that fits the model (loaded at
+    the first such call, then kept), else `step_for_dtype`'s."""
     compiled = step_for_dtype(model)
+    if compiled is None:
+        return None
     folder = getattr(model, "_compiled_folder", None)
-    if rows > FEW_ROWS_MAX or compiled is None or folder is None:
-        return compiled
-    if compiled.manifest.get("precision", "float32") != "float32":
-        return compiled
-    steps = model.__dict__.setdefault("_compiled_steps", {})
-    if "few_rows" not in steps:
-        steps["few_rows"] = load_compiled_step(model, folder, few_rows=True)
-    few = steps["few_rows"]
-    return few if few is not None and few.usable(model) else compiled
+    float32 = compiled.manifest.get("precision", "float32") == "float32"
+    if rows <= FEW_ROWS_MAX and folder is not None and float32:
+        steps = model.__dict__.setdefault("_compiled_steps", {})
+        if "few_rows" not in steps:
+            steps["few_rows"] = load_compiled_step(model, folder, few_rows=True)
+        few = steps["few_rows"]
+        if few is not None and few.usable(model):
+            return few
+    return compiled if compiled.usable(model) else None

@@ -76,7 +76,7 @@ from transformers.generation.stopping_criteria import (
     StopStringCriteria,
 )
 
-from .compiled_decoding import CompiledStep, gemm_backend, step_for_rows, step_tensors
+from .compiled_decoding import CompiledStep, gemm_backend, step_for_rows, step_tensors, tensor_fingerprint
 from .static_decoding import CACHE_FIELD, _Keys, is_static_cache
 
 # --- the cache ---------------------------------------------------------------------------------------------------
@@ -261,7 +261,7 @@ class PackedLinears:
         return 1 if torch.get_num_threads() > 1 else 2
 
     def __init__(self, modules: list[nn.Linear]):
-        self.fingerprint = [_fingerprint(module.weight) for module in modules]
+        self.fingerprint = [tensor_fingerprint(module.weight) for module in modules]
         self.layers = []
         with torch.no_grad():
             for module in modules:
@@ -282,7 +282,7 @@ class PackedLinears:
         if not modules:
             return None
         entry = _LINEARS.get(model)
-        if entry is None or entry.fingerprint != [_fingerprint(module.weight) for module in modules]:
+        if entry is None or entry.fingerprint != [tensor_fingerprint(module.weight) for module in modules]:
             _LINEARS.pop(model, None)  # one packing in memory at a time
             entry = _LINEARS[model] = cls(modules)
         return entry
@@ -358,7 +358,7 @@ class PackedProjection:
 
     def __init__(self, weight: torch.Tensor, rows: int):
         self.weight, self.rows = weight, rows
-        self.fingerprint = _fingerprint(weight)
+        self.fingerprint = tensor_fingerprint(weight)
         self.backend = gemm_backend()
         # Below PACK_ALL_ROWS rows, W's first PACK_FEW_ROWS_SHARE only; its other rows take the usual product
         # (oneMKL's; where that is the slow one, oneDNN packs all of W).
@@ -409,7 +409,7 @@ class PackedProjection:
         if weight is None or not can_pack(weight):
             return None
         entry = _PACKED.get(model)
-        stale = entry is None or entry.backend != gemm_backend() or entry.fingerprint != _fingerprint(weight)
+        stale = entry is None or entry.backend != gemm_backend() or entry.fingerprint != tensor_fingerprint(weight)
         if stale or not entry.serves(rows):
             _PACKED.pop(model, None)  # the old packing goes before the new one is made: one at a time in memory
             entry = _PACKED[model] = cls(weight, rows)
@@ -424,10 +424,6 @@ def float32_head(model: nn.Module) -> torch.Tensor | None:
         return None
     weight = head.weight
     return weight if weight.device.type == "cpu" and weight.dtype == torch.float32 else None
-
-
-def _fingerprint(weight: torch.Tensor) -> tuple:
-    return (id(weight), weight._version, weight.data_ptr())
 
 
 # --- the packed weights' plain pages, given back ----------------------------------------------------------------------
@@ -639,7 +635,7 @@ class ScreenedArgmax:
     screen."""
 
     def __init__(self, weight: torch.Tensor):
-        self.weight, self.fingerprint = weight, _fingerprint(weight)
+        self.weight, self.fingerprint = weight, tensor_fingerprint(weight)
         vocabulary, width = weight.shape
         self.quantized = torch.empty(vocabulary, width, dtype=torch.int8)
         self.scales = torch.empty(vocabulary, dtype=torch.bfloat16)
@@ -707,11 +703,11 @@ class ScreenedArgmax:
         ):
             return None
         fingerprint, screen = _SCREENS.get(model, (None, None))
-        if fingerprint != _fingerprint(weight):
+        if fingerprint != tensor_fingerprint(weight):
             _SCREENS.pop(model, None)  # the old copy goes before the new one is made
             screen = cls(weight)
             screen = screen if _rounding_within_bound(screen) else None
-            _SCREENS[model] = (_fingerprint(weight), screen)
+            _SCREENS[model] = (tensor_fingerprint(weight), screen)
         return screen
 
 
@@ -910,8 +906,6 @@ def session_applies(model: nn.Module, input_ids: torch.Tensor, max_length: int, 
         return None
     encoder_output = model_kwargs["encoder_outputs"][0]
     if encoder_output.dtype != compiled.dtype or encoder_output.device.type != "cpu":
-        return None
-    if not compiled.usable(model):
         return None
     if compiled.few_rows is not None and not compiled.released:
         release_replaced(model, compiled)
