@@ -410,7 +410,9 @@ def _cli(*args: str) -> subprocess.Popen:
 
 def test_two_concurrent_train_runs_on_one_folder_exactly_one_runs(ws, tmp_path):
     """Both start together; the one that takes the lock first trains, the other is refused naming its PID."""
-    config = run_config(ws, tmp_path, max_steps=100, save_strategy="steps", save_steps=25)
+    # 400 steps (about 10 s): with 100, under a loaded CI the second process once reached the lock after the first had
+    # finished, and both exited 0.
+    config = run_config(ws, tmp_path, max_steps=400, save_strategy="steps", save_steps=100)
     runs = [_cli("train", config, "--resume"), _cli("train", config, "--resume")]
     outputs = [run.communicate(timeout=300)[0] for run in runs]
     codes = sorted(run.returncode for run in runs)
