@@ -371,6 +371,38 @@ def test_a_bfloat16_model_decodes_through_the_bfloat16_step(compiled_folder, tmp
 
 
 @pytest.mark.skipif(not bf16_is_fast("cpu")[0], reason="a CPU without bf16 instructions: no bfloat16 step")
+def test_a_bfloat16_models_calls_of_a_few_rows_decode_through_its_few_rows_step(compiled_folder, few_rows_calls):
+    """Beside the bfloat16 step `vaswani-tx compile` writes the bfloat16 model's few-rows step (`compiled-few-bf16`:
+    its weights packed in bfloat16, apart from its package), which decodes that model's calls of up to
+    `FEW_ROWS_MAX_BF16` rows (loaded at the first), the rest going through the bfloat16 step. On this tiny model it
+    gives the eager bfloat16 path's ids. A float32 model never loads it, nor a bfloat16 one the float32 one's."""
+    few = compiled_folder / compiled_decoding.FEW_ROWS_BF16_FOLDER
+    manifest = json.loads((few / MANIFEST).read_text())
+    assert manifest["precision"] == "bfloat16" and manifest["few_rows"] == compiled_decoding.FEW_ROWS_MAX_BF16
+    assert (few / compiled_decoding.FEW_ROWS_WEIGHTS).is_file()
+    with zipfile.ZipFile(few / PACKAGE) as package:
+        assert not [name for name in package.namelist() if "/data/weights/" in name]
+    model = VaswaniForConditionalGeneration.from_pretrained(compiled_folder, dtype=torch.bfloat16)
+    eager = VaswaniForConditionalGeneration.from_pretrained(compiled_folder, dtype=torch.bfloat16)
+    eager._compiled_step = None
+    assert not [key for key in model._compiled_steps if key.startswith("few_rows")]
+    cases = [((7,), 1), ((7,), 4), ((5, 3), 3), ((6, 4, 2), 1), ((7,) * 7, 1), ((7, 4, 6, 2), 2)]
+    for lengths, beams in cases:
+        few_rows_calls.clear()
+        ids, mask = batch(seed=4, lengths=lengths)
+        kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=12, num_beams=beams)
+        assert torch.equal(model.generate(**kwargs), eager.generate(**kwargs))
+        rows = len(lengths) * beams
+        assert few_rows_calls and set(few_rows_calls) == {rows <= compiled_decoding.FEW_ROWS_MAX_BF16}, (rows, lengths)
+    assert set(model._compiled_steps) == {"bfloat16", "few_rows:bfloat16"}
+    assert model._compiled_steps["few_rows:bfloat16"].dtype == torch.bfloat16
+    fp32 = VaswaniForConditionalGeneration.from_pretrained(compiled_folder)
+    ids, mask = batch(seed=4, lengths=(7,))
+    fp32.generate(input_ids=ids, attention_mask=mask, max_new_tokens=12, num_beams=4)
+    assert set(fp32._compiled_steps) == {"float32", "few_rows"}
+
+
+@pytest.mark.skipif(not bf16_is_fast("cpu")[0], reason="a CPU without bf16 instructions: no bfloat16 step")
 def test_a_model_converted_after_loading_decodes_through_the_step_for_its_new_dtype(
     compiled_folder, tmp_path, caplog, steps
 ):

@@ -211,6 +211,40 @@ def test_onednn_packs_the_whole_projection_once_for_any_number_of_rows(monkeypat
     assert fast_decoding.PackedProjection.of(model, 4).backend == "mkl"
 
 
+def test_a_bfloat16_projection_is_packed_for_onednn_whichever_library_is_chosen(monkeypatch):
+    """A bfloat16 model's pre-softmax W is packed for oneDNN's product (oneMKL packs float32 only), whichever GEMM
+    library is chosen for float32. Its logits come as float32 (what the loops read), a few rows at once or many a
+    block at a time into the call's buffer, with their log-softmax where asked, and are the product of the bfloat16
+    rows and W to bfloat16 rounding: as close to it as the layer's own (here closer: a row's largest logit rounds
+    to 0.5 in the layer's)."""
+    if not compiled_decoding.onednn_linear_available():
+        pytest.skip("torch without oneDNN's inner product")
+    model = eos_prone_model().to(torch.bfloat16)
+    weight = model.lm_head.weight
+
+    def check(projection, rows):
+        hidden = torch.randn(rows, model.config.d_model).bfloat16()
+        exact = hidden.float() @ weight.float().t()
+        logits = projection(hidden).clone()
+        assert logits.dtype == torch.float32 and logits.shape == exact.shape
+        torch.testing.assert_close(logits, exact, rtol=2**-7, atol=2**-5)
+        own = model.project(hidden).float()
+        assert (logits - exact).abs().max() <= (own - exact).abs().max()
+        torch.testing.assert_close(projection(hidden, log_softmax=True), torch.log_softmax(logits, -1), rtol=0, atol=0)
+
+    for library in ("mkl", "onednn"):
+        monkeypatch.setenv(compiled_decoding.GEMM_VARIABLE, library)
+        projection = fast_decoding.Projection.of(model, 4)
+        assert projection.packed is not None and projection.packed.backend == "onednn"
+        assert fast_decoding.PackedProjection.of(model, 9) is projection.packed  # kept: any rows
+        for rows in (1, 4, 9):
+            check(projection, rows)
+    monkeypatch.setattr(fast_decoding, "ONEDNN_BLOCK_BYTES", 3 * weight.shape[0] * 4)  # blocks of 3 rows
+    monkeypatch.setattr(fast_decoding, "FRESH_BYTES", 0)  # every call into the kept buffer
+    check(fast_decoding.Projection.of(model, 8), 8)
+    assert fast_decoding.Projection.of(model, 8, pack=False) is None  # greedy's screen: the model's own product
+
+
 def test_onednn_projects_many_rows_a_block_at_a_time_into_the_kept_buffer(monkeypatch):
     """Logits above FRESH_BYTES come from oneDNN's product a block of rows at a time, into the call's buffer (never a
     fresh tensor that size), raw or through the log-softmax beam search asks for; beam search's ids stay

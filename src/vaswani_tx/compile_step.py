@@ -18,8 +18,8 @@ from torch import nn
 
 from .atomic import atomic_folder
 from .compiled_decoding import (
-    FEW_ROWS_FOLDER,
-    FEW_ROWS_MAX,
+    FEW_ROWS_FOLDERS,
+    FEW_ROWS_MAXIMA,
     FEW_ROWS_WEIGHTS,
     FORMAT,
     MANIFEST,
@@ -158,9 +158,9 @@ def compile_decoder_steps(
     model: nn.Module, folder: str | os.PathLike, int8: bool = True, bf16: bool = True, few_rows: bool = True
 ):
     """`vaswani-tx compile`: the float32 `model`'s step into `folder`, with `few_rows` its few-rows step too (calls
-    of at most `FEW_ROWS_MAX` rows: a sentence at a time, greedy or with a small beam), then the int8 model's
+    of at most `FEW_ROWS_MAXIMA` rows: a sentence at a time, greedy or with a small beam), then the int8 model's
     (`quantize_int8`'s copy) with `int8`, and with `bf16` the bfloat16 model's where `--dtype auto` picks bfloat16
-    (the CPU has bf16 instructions). Yields a line for each as it is written, or saying why there is none; `model`
+    (the CPU has bf16 instructions), with `few_rows` its few-rows step too. Yields a line for each as it is written, or saying why there is none; `model`
     stays float32."""
     import copy
     import time
@@ -193,13 +193,18 @@ def compile_decoder_steps(
         bfloat16 = copy.deepcopy(model, memo={id(getattr(model, "_compiled_step", None)): None}).to(torch.bfloat16)
         out = compile_decoder_step(bfloat16, folder)
         yield f"wrote the bfloat16 model's compiled decoding step to {out} in {time.perf_counter() - start:.1f} s"
+        if few_rows:
+            start = time.perf_counter()
+            out = compile_decoder_step(bfloat16, folder, few_rows=True)
+            yield f"wrote the bfloat16 model's few-rows decoding step to {out} in {time.perf_counter() - start:.1f} s"
 
 
 def compile_decoder_step(model: nn.Module, folder: str | os.PathLike, few_rows: bool = False) -> Path:
     """Export and compile `model`'s decoding step into `folder`/compiled, or `folder`/compiled-int8 for an int8 model
     (`quantize_int8`), `folder`/compiled-bf16 for a bfloat16 one, replaced whole; returns that folder.
 
-    `few_rows` (float32 only): the step for calls of at most `FEW_ROWS_MAX` rows, into `folder`/compiled-few. Its
+    `few_rows` (a float32 or bfloat16 model): the step for calls of at most `FEW_ROWS_MAXIMA` rows, into
+    `folder`/compiled-few (compiled-few-bf16 for a bfloat16 model, where its products read half the bytes). Its
     weights are compiled into it (Inductor's freezing), packed for Inductor's own matrix-vector kernels
     (`max_autotune` with its C++ GEMM template), which read them about twice as fast as oneDNN's product at 1-4 rows
     (the base model's 48 decoder products on an AMD EPYC, two threads: 2.5-3.3 against 5.4-6.8 ms) and fall behind
@@ -218,9 +223,9 @@ def compile_decoder_step(model: nn.Module, folder: str | os.PathLike, few_rows: 
             f"{parameter.dtype} on {parameter.device} (load it without dtype/device arguments)"
         )
     int8 = kind == "int8"
-    if few_rows and kind != "float32":
-        raise UserInputError(f"the few-rows decoding step is for float32 models; this one is {kind}")
-    step_folder = Path(folder) / (FEW_ROWS_FOLDER if few_rows else PRECISIONS[kind][0])
+    if few_rows and kind not in FEW_ROWS_FOLDERS:
+        raise UserInputError(f"the few-rows decoding step is for float32 and bfloat16 models; this one is {kind}")
+    step_folder = Path(folder) / (FEW_ROWS_FOLDERS[kind] if few_rows else PRECISIONS[kind][0])
     model.eval()
     # Positions the step can encode: the model's maximum. Sinusoids are a table the graph keeps as a constant,
     # made afresh at this size (at load time too, from the same function).
@@ -256,7 +261,9 @@ def compile_decoder_step(model: nn.Module, folder: str | os.PathLike, few_rows: 
     with atomic_folder(step_folder) as out:
         configs = {"aot_inductor.package_constants_in_so": False}
         if few_rows:  # the weights in the library, packed for Inductor's C++ GEMM template
-            configs.update(freezing=True, max_autotune=True, max_autotune_gemm_backends="CPP")
+            # (a bfloat16 step's batched attention products have no C++ template: aten's kernels take those)
+            backends = "CPP" if kind == "float32" else "CPP,ATEN"
+            configs.update(freezing=True, max_autotune=True, max_autotune_gemm_backends=backends)
             configs["aot_inductor.package_constants_on_disk_format"] = "pickle_weights"
         try:
             package = torch._inductor.aoti_compile_and_package(
@@ -283,7 +290,7 @@ def compile_decoder_step(model: nn.Module, folder: str | os.PathLike, few_rows: 
             "constants": constants,
             "precision": kind,
             **({"int8_layers": int8_signature(model)} if int8 else {}),
-            **({"few_rows": FEW_ROWS_MAX} if few_rows else {}),
+            **({"few_rows": FEW_ROWS_MAXIMA[kind]} if few_rows else {}),
         }
         (out / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n", encoding="utf-8")
     return step_folder

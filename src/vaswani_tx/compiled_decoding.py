@@ -27,9 +27,9 @@ layer (`int8_layers`), and Inductor compiles everything around them (attention, 
 loads it for a model from a folder that has one. A bfloat16 model (`from_pretrained(folder, dtype=torch.bfloat16)`,
 `--dtype auto` on CPUs with bf16 instructions) has one too, `compiled-bf16/`, the same graph over bfloat16 tensors.
 
-Calls of a few rows (at most `FEW_ROWS_MAX` sources x beams: a sentence at a time, greedy or with a small beam)
+Calls of a few rows (at most `FEW_ROWS_MAXIMA` sources x beams: a sentence at a time, greedy or with a small beam)
 read every weight once a step for a handful of products, which makes them bound by reading the weights. The float32
-model has a step for them, `compiled-few/`: the same graph compiled with Inductor's freezing and its C++ GEMM
+model has a step for them, `compiled-few/` (the bfloat16 model `compiled-few-bf16/`): the same graph compiled with Inductor's freezing and its C++ GEMM
 template, whose matrix-vector kernels read weights it packed at compile time about twice as fast as oneDNN's product
 (docs/speed.md). Those packed weights are its own copy (`compiled-few/weights.safetensors`, mapped at loading), so it
 serves the weights it was compiled from only: a model whose tensors changed since decodes through the other step.
@@ -61,11 +61,17 @@ FOLDER = "compiled"
 INT8_FOLDER = "compiled-int8"  # the int8 model's step, beside the float32 one
 BF16_FOLDER = "compiled-bf16"  # the bfloat16 model's (`--dtype auto` on CPUs with bf16 instructions)
 FEW_ROWS_FOLDER = "compiled-few"  # the float32 model's for calls of at most FEW_ROWS_MAX rows (compile_step.py)
+FEW_ROWS_BF16_FOLDER = "compiled-few-bf16"  # the bfloat16 model's (`--dtype auto` where the CPU has bf16 instructions)
+FEW_ROWS_FOLDERS = {"float32": FEW_ROWS_FOLDER, "bfloat16": FEW_ROWS_BF16_FOLDER}
 # Up to this many rows (sources x beams) a call decodes through the few-rows step. Its products read the weights
 # about twice as fast as oneDNN's at 1-4 rows, but read them again for each further block of rows: the base model,
 # AMD EPYC, against the other step, 1 / 2 threads: 1.5-1.7x / 1.4-1.5x at 1, 4 and 6 rows, 1.07-1.15x / 1.22-1.24x
 # at 8, 0.84-0.92x / 0.95-0.99x at 16, 0.78x / 0.86x at 32 (docs/speed.md).
 FEW_ROWS_MAX = 8
+# The bfloat16 step's from 7 rows on read the weights again as well (base model, the bfloat16 steps, 1 / 2 threads:
+# 1.40-1.68x / 1.46-1.66x at 1, 4 and 6 rows, 0.95-0.97x / 1.00-1.09x at 7 and 8).
+FEW_ROWS_MAX_BF16 = 6
+FEW_ROWS_MAXIMA = {"float32": FEW_ROWS_MAX, "bfloat16": FEW_ROWS_MAX_BF16}
 FEW_ROWS_WEIGHTS = "weights.safetensors"  # its own tensors: the weights packed for its products, mapped at loading
 PACKAGE = "decoder_step.pt2"
 MANIFEST = "manifest.json"
@@ -340,13 +346,15 @@ def _identity(model: nn.Module) -> tuple:
 
 def load_compiled_step(model: nn.Module, folder: str | os.PathLike, few_rows: bool = False) -> CompiledStep | None:
     """The compiled step in `folder`/compiled for `model` (`folder`/compiled-int8 for an int8 model, compiled-bf16
-    for a bfloat16 one; with `few_rows`, the float32 model's few-rows step, compiled-few), or None (with one logged
-    line saying why) when there is none, or it was made for another torch, CPU, architecture, set of weights or of
-    int8 layers, or it cannot be read. A model in another dtype than the steps' is told so by the float32 step's
-    manifest."""
+    for a bfloat16 one; with `few_rows`, the model's few-rows step, compiled-few or compiled-few-bf16), or None (with
+    one logged line saying why) when there is none, or it was made for another torch, CPU, architecture, set of
+    weights or of int8 layers, or it cannot be read. A model in another dtype than the steps' is told so by the
+    float32 step's manifest; a folder without a few-rows step for the model's dtype gives None silently."""
     kind = precision(model)
-    where = Path(folder) / (FEW_ROWS_FOLDER if few_rows else PRECISIONS[kind or "float32"][0])
-    if kind == "bfloat16" and not (where / MANIFEST).is_file():
+    if few_rows and kind not in FEW_ROWS_FOLDERS:
+        return None
+    where = Path(folder) / (FEW_ROWS_FOLDERS[kind] if few_rows else PRECISIONS[kind or "float32"][0])
+    if kind == "bfloat16" and not few_rows and not (where / MANIFEST).is_file():
         where = Path(folder) / FOLDER  # a folder compiled before bf16 steps existed, or on a CPU without them
     manifest_path = where / MANIFEST
     if not manifest_path.is_file():
@@ -434,20 +442,27 @@ def step_for_dtype(model: nn.Module) -> CompiledStep | None:
     return model._compiled_step
 
 
+def few_rows_key(kind: str) -> str:
+    """The few-rows step's key among a model's loaded steps (`_compiled_steps`, by precision): "few_rows" for the
+    float32 model's, "few_rows:bfloat16" for the bfloat16 one's."""
+    return "few_rows" if kind == "float32" else f"few_rows:{kind}"
+
+
 def step_for_rows(model: nn.Module, rows: int) -> CompiledStep | None:
     """The step that can decode a call of `rows` rows (sources x beams) now (`CompiledStep.usable`), or None: the
-    float32 model's few-rows step up to `FEW_ROWS_MAX` rows where its folder has one that fits the model (loaded at
-    the first such call, then kept), else `step_for_dtype`'s."""
+    float32 or bfloat16 model's few-rows step up to `FEW_ROWS_MAXIMA` rows where its folder has one that fits the model
+    (loaded at the first such call, then kept), else `step_for_dtype`'s."""
     compiled = step_for_dtype(model)
     if compiled is None:
         return None
     folder = getattr(model, "_compiled_folder", None)
-    float32 = compiled.manifest.get("precision", "float32") == "float32"
-    if rows <= FEW_ROWS_MAX and folder is not None and float32:
+    kind = compiled.manifest.get("precision", "float32")
+    if folder is not None and kind in FEW_ROWS_FOLDERS and rows <= FEW_ROWS_MAXIMA[kind]:
         steps = model.__dict__.setdefault("_compiled_steps", {})
-        if "few_rows" not in steps:
-            steps["few_rows"] = load_compiled_step(model, folder, few_rows=True)
-        few = steps["few_rows"]
+        key = few_rows_key(kind)
+        if key not in steps:
+            steps[key] = load_compiled_step(model, folder, few_rows=True)
+        few = steps[key]
         if few is not None and few.usable(model):
             return few
     return compiled if compiled.usable(model) else None

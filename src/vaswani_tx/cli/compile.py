@@ -1,4 +1,5 @@
-"""Compile a saved model's decoding steps ahead of time (AOTInductor): MODEL/compiled, compiled-few, -int8, -bf16.
+"""Compile a saved model's decoding steps ahead of time (AOTInductor): MODEL/compiled, compiled-few, -int8, -bf16,
+compiled-few-bf16.
 
 Once compiled, every later process that loads the folder (`from_pretrained`, `pipeline("translation")`,
 `vaswani-tx translate` and `evaluate`) decodes through it with no flag and no compilation wait, where it
@@ -7,7 +8,8 @@ decodes eagerly, with one line saying why, and the same results. It holds no cop
 Calls of a few rows (up to 8 sources x beams: a sentence at a time, greedy or with a small beam) decode through
 the float32 model's few-rows step (MODEL/compiled-few), 1.4-1.7x faster there: its products read a copy of the
 decoder's weights packed for them (MODEL/compiled-few/weights.safetensors, the decoder layers' size), which serves
-these weights only (a model changed since decodes through MODEL/compiled).
+these weights only (a model changed since decodes through MODEL/compiled). The bfloat16 model has one too
+(MODEL/compiled-few-bf16, up to 6 rows), where it has a bfloat16 step.
 The int8 model's step (MODEL/compiled-int8) serves `translate --int8` and `quantize_int8` the same way; its
 int8 products are the model's own layers, so its translations are the eager int8 path's to int8 rounding. On a
 CPU with bf16 instructions (where `--dtype auto` picks bfloat16) the bfloat16 model's step (MODEL/compiled-bf16)
@@ -46,8 +48,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--no-few-rows",
         dest="few_rows",
         action="store_false",
-        help="do not compile the float32 model's few-rows step (MODEL/compiled-few, for calls of a few rows: a "
-        "sentence at a time, greedy or with a small beam) as well",
+        help="do not compile the few-rows steps (MODEL/compiled-few and, with the bfloat16 step, "
+        "MODEL/compiled-few-bf16: for calls of a few rows, a sentence at a time, greedy or with a small beam) as well",
     )
 
 
