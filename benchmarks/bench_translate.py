@@ -2,7 +2,8 @@
 CTranslate2 (`translate_batch` on the same weights, exported with `vaswani-tx export-ct2`), in one run.
 
     PYTHONPATH=src .venv/bin/python benchmarks/bench_translate.py runs/multi30k-en-de/averaged \\
-        [--data ../shared/data] [--threads 1 2] [--sets multi30k newstest2013] [--limit N] [--rounds 3]
+        [--data ../shared/data] [--threads 1 2] [--sets multi30k newstest2013] [--limit N] [--rounds 3] \\
+        [--one-at-a-time]
 
 Sets: Multi30k val (1,014 sentences, the main job's domain) and newstest2013 (3,000, WMT news: out of the main
 job's domain, so its BLEU is low, but its sentences are long, which is what the timing needs).
@@ -18,6 +19,8 @@ Implementations, each in a fresh process (nothing warm), each decoding with the 
 - ct2, ct2-int8:   CTranslate2 `translate_batch` with `ct2_decoding_options` (its length penalty is |Y|^alpha,
                    not the GNMT form: the one difference in settings), float32 and int8 (its best CPU types;
                    CTranslate2 offers no bfloat16 on CPU).
+`--one-at-a-time`: each implementation is given the set a sentence per call (a service translating requests as they
+come; one row a call, or the beam's rows), rather than the whole list to batch as it likes.
 Per job: sentences/s and tokens/s (output subword tokens, counted with the model's tokenizer for every
 implementation, over the translation time, model loading excluded), the first sentence's latency in a fresh
 process (from the model loaded to the first translation back), the load time, the process' peak memory
@@ -83,6 +86,8 @@ def load(job: dict):
         translator = pipeline("translation", model=model, trust_remote_code=True, device="cpu")
 
         def translate(lines):
+            if len(lines) == 1:  # a string, as a caller with one sentence gives it
+                return [translator(lines[0])[0]["translation_text"]]
             return [out["translation_text"] for out in translator(lines)]
 
         return translate, tokenizer
@@ -113,7 +118,10 @@ def worker(job: dict) -> None:
     first = translate(lines[:1])  # a fresh process' first sentence: every lazy set-up it needs included
     first_s = time.perf_counter() - loaded
     start_all = time.perf_counter()
-    hypotheses = translate(lines)
+    if job.get("one_at_a_time"):
+        hypotheses = [hypothesis for line in lines for hypothesis in translate([line])]
+    else:
+        hypotheses = translate(lines)
     seconds = time.perf_counter() - start_all
     tokens = sum(len(tokenizer(h, add_special_tokens=False).input_ids) + 1 for h in hypotheses)  # + </s>
     import sacrebleu
@@ -197,6 +205,9 @@ def main() -> None:
     parser.add_argument(
         "--rounds", type=int, default=1, help="run each setting's implementations this many times, alternating"
     )
+    parser.add_argument(
+        "--one-at-a-time", action="store_true", help="give each implementation one sentence a call (a service's load)"
+    )
     parser.add_argument("--results", type=Path, default=RESULTS)
     args = parser.parse_args()
     if args.worker:
@@ -226,12 +237,13 @@ def main() -> None:
                         source=source,
                         reference=reference,
                         limit=args.limit,
+                        one_at_a_time=args.one_at_a_time,
                     )
                     row = run_job(job)
                     row["load_average"], row["round"] = round(os.getloadavg()[0], 2), round_
                     rows.append(row)
                     print(
-                        f"{name:13} {threads}t {impl:15} {row['sentences_per_s']:7.2f} sent/s {row['tokens_per_s']:8.1f} "
+                        f"{name:13} {threads}t {impl:15}{' one a call' if args.one_at_a_time else ''} {row['sentences_per_s']:7.2f} sent/s {row['tokens_per_s']:8.1f} "
                         f"tok/s  first {row['first_sentence_s']:5.2f} s  load {row['load_s']:5.2f} s  "
                         f"{row['peak_rss_mib']:5d} MiB  BLEU {row['bleu']:5.2f}  (load avg {row['load_average']})",
                         flush=True,
