@@ -242,9 +242,11 @@ def main() -> None:
                     row = run_job(job)
                     row["load_average"], row["round"] = round(os.getloadavg()[0], 2), round_
                     rows.append(row)
+                    calls = " one a call" if args.one_at_a_time else ""
                     print(
-                        f"{name:13} {threads}t {impl:15}{' one a call' if args.one_at_a_time else ''} {row['sentences_per_s']:7.2f} sent/s {row['tokens_per_s']:8.1f} "
-                        f"tok/s  first {row['first_sentence_s']:5.2f} s  load {row['load_s']:5.2f} s  "
+                        f"{name:13} {threads}t {impl:15}{calls} {row['sentences_per_s']:7.2f} sent/s "
+                        f"{row['tokens_per_s']:8.1f} tok/s  first {row['first_sentence_s']:5.2f} s  "
+                        f"load {row['load_s']:5.2f} s  "
                         f"{row['peak_rss_mib']:5d} MiB  BLEU {row['bleu']:5.2f}  (load avg {row['load_average']})",
                         flush=True,
                     )

@@ -160,8 +160,8 @@ def compile_decoder_steps(
     """`vaswani-tx compile`: the float32 `model`'s step into `folder`, with `few_rows` its few-rows step too (calls
     of at most `FEW_ROWS_MAXIMA` rows: a sentence at a time, greedy or with a small beam), then the int8 model's
     (`quantize_int8`'s copy) with `int8`, and with `bf16` the bfloat16 model's where `--dtype auto` picks bfloat16
-    (the CPU has bf16 instructions), with `few_rows` its few-rows step too. Yields a line for each as it is written, or saying why there is none; `model`
-    stays float32."""
+    (the CPU has bf16 instructions), with `few_rows` its few-rows step too. Yields a line for each as it is written,
+    or saying why there is none; `model` stays float32."""
     import copy
     import time
 
@@ -196,7 +196,8 @@ def compile_decoder_steps(
         if few_rows:
             start = time.perf_counter()
             out = compile_decoder_step(bfloat16, folder, few_rows=True)
-            yield f"wrote the bfloat16 model's few-rows decoding step to {out} in {time.perf_counter() - start:.1f} s"
+            seconds = time.perf_counter() - start
+            yield f"wrote the bfloat16 model's few-rows decoding step to {out} in {seconds:.1f} s"
 
 
 def compile_decoder_step(model: nn.Module, folder: str | os.PathLike, few_rows: bool = False) -> Path:

@@ -29,10 +29,11 @@ loads it for a model from a folder that has one. A bfloat16 model (`from_pretrai
 
 Calls of a few rows (at most `FEW_ROWS_MAXIMA` sources x beams: a sentence at a time, greedy or with a small beam)
 read every weight once a step for a handful of products, which makes them bound by reading the weights. The float32
-model has a step for them, `compiled-few/` (the bfloat16 model `compiled-few-bf16/`): the same graph compiled with Inductor's freezing and its C++ GEMM
-template, whose matrix-vector kernels read weights it packed at compile time about twice as fast as oneDNN's product
-(docs/speed.md). Those packed weights are its own copy (`compiled-few/weights.safetensors`, mapped at loading), so it
-serves the weights it was compiled from only: a model whose tensors changed since decodes through the other step.
+model has a step for them, `compiled-few/` (the bfloat16 model `compiled-few-bf16/`): the same graph compiled with
+Inductor's freezing and its C++ GEMM template, whose matrix-vector kernels read weights it packed at compile time
+about twice as fast as oneDNN's product (docs/speed.md). Those packed weights are its own copy
+(`compiled-few/weights.safetensors`, mapped at loading), so it serves the weights it was compiled from only: a model
+whose tensors changed since decodes through the other step.
 
 Compiling is compile_step.py's (it stays in the package). This file travels with saved weights for
 `trust_remote_code`: torch, errors.py and (for the few-rows step's weights) safetensors, which transformers needs.
@@ -450,8 +451,8 @@ def few_rows_key(kind: str) -> str:
 
 def step_for_rows(model: nn.Module, rows: int) -> CompiledStep | None:
     """The step that can decode a call of `rows` rows (sources x beams) now (`CompiledStep.usable`), or None: the
-    float32 or bfloat16 model's few-rows step up to `FEW_ROWS_MAXIMA` rows where its folder has one that fits the model
-    (loaded at the first such call, then kept), else `step_for_dtype`'s."""
+    float32 or bfloat16 model's few-rows step up to `FEW_ROWS_MAXIMA` rows where its folder has one that fits the
+    model (loaded at the first such call, then kept), else `step_for_dtype`'s."""
     compiled = step_for_dtype(model)
     if compiled is None:
         return None

@@ -49,7 +49,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         dest="few_rows",
         action="store_false",
         help="do not compile the few-rows steps (MODEL/compiled-few and, with the bfloat16 step, "
-        "MODEL/compiled-few-bf16: for calls of a few rows, a sentence at a time, greedy or with a small beam) as well",
+        "MODEL/compiled-few-bf16: for calls of a few rows, a sentence at a time, greedy or with a small beam) "
+        "as well",
     )
 
 
