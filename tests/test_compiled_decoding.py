@@ -181,19 +181,29 @@ def test_calls_of_a_few_rows_decode_through_the_few_rows_step(compiled_folder, f
     assert (
         manifest["few_rows"] == compiled_decoding.FEW_ROWS_MAX and (few / compiled_decoding.FEW_ROWS_WEIGHTS).is_file()
     )
-    with zipfile.ZipFile(few / PACKAGE) as package:
-        assert not [name for name in package.namelist() if "/data/weights/" in name]
+    assert_holds_no_weights(few / PACKAGE)
     model = VaswaniForConditionalGeneration.from_pretrained(compiled_folder)
     eager = eager_twin(compiled_folder)
     assert "few_rows" not in model._compiled_steps  # loaded at the first call that needs it
     cases = [((7,), 1), ((7,), 4), ((5, 3), 3), ((6, 4, 2), 1), ((7, 4, 6, 2), 2), ((7, 4, 6, 2), 3), ((7,) * 9, 1)]
+    assert_few_rows_decode_there(model, eager, cases, compiled_decoding.FEW_ROWS_MAX, few_rows_calls)
+
+
+def assert_holds_no_weights(package_path):
+    with zipfile.ZipFile(package_path) as package:
+        assert not [name for name in package.namelist() if "/data/weights/" in name]
+
+
+def assert_few_rows_decode_there(model, eager, cases, bound: int, calls: list):
+    """Each case, (source lengths, beams), gives the eager model's ids, through the few-rows step where its rows
+    (sources x beams) are at most `bound` and the other step otherwise."""
     for lengths, beams in cases:
-        few_rows_calls.clear()
+        calls.clear()
         ids, mask = batch(seed=4, lengths=lengths)
         kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=12, num_beams=beams)
         assert torch.equal(model.generate(**kwargs), eager.generate(**kwargs))
         rows = len(lengths) * beams
-        assert few_rows_calls and set(few_rows_calls) == {rows <= compiled_decoding.FEW_ROWS_MAX}, (rows, lengths)
+        assert calls and set(calls) == {rows <= bound}, (rows, lengths)
 
 
 def test_the_few_rows_step_serves_only_the_weights_it_was_compiled_from(
@@ -380,20 +390,13 @@ def test_a_bfloat16_models_calls_of_a_few_rows_decode_through_its_few_rows_step(
     manifest = json.loads((few / MANIFEST).read_text())
     assert manifest["precision"] == "bfloat16" and manifest["few_rows"] == compiled_decoding.FEW_ROWS_MAX_BF16
     assert (few / compiled_decoding.FEW_ROWS_WEIGHTS).is_file()
-    with zipfile.ZipFile(few / PACKAGE) as package:
-        assert not [name for name in package.namelist() if "/data/weights/" in name]
+    assert_holds_no_weights(few / PACKAGE)
     model = VaswaniForConditionalGeneration.from_pretrained(compiled_folder, dtype=torch.bfloat16)
     eager = VaswaniForConditionalGeneration.from_pretrained(compiled_folder, dtype=torch.bfloat16)
     eager._compiled_step = None
     assert not [key for key in model._compiled_steps if key.startswith("few_rows")]
     cases = [((7,), 1), ((7,), 4), ((5, 3), 3), ((6, 4, 2), 1), ((7,) * 7, 1), ((7, 4, 6, 2), 2)]
-    for lengths, beams in cases:
-        few_rows_calls.clear()
-        ids, mask = batch(seed=4, lengths=lengths)
-        kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=12, num_beams=beams)
-        assert torch.equal(model.generate(**kwargs), eager.generate(**kwargs))
-        rows = len(lengths) * beams
-        assert few_rows_calls and set(few_rows_calls) == {rows <= compiled_decoding.FEW_ROWS_MAX_BF16}, (rows, lengths)
+    assert_few_rows_decode_there(model, eager, cases, compiled_decoding.FEW_ROWS_MAX_BF16, few_rows_calls)
     assert set(model._compiled_steps) == {"bfloat16", "few_rows:bfloat16"}
     assert model._compiled_steps["few_rows:bfloat16"].dtype == torch.bfloat16
     fp32 = VaswaniForConditionalGeneration.from_pretrained(compiled_folder)
