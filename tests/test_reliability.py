@@ -518,7 +518,13 @@ def test_an_interrupt_of_the_main_script_stops_its_running_step(tmp_path, sent, 
         f"set -euo pipefail; source {REPO / 'scripts' / 'forward_signals.sh'}; "
         f"forwarding {sys.executable} {step} {marker}; touch {after}"
     )
-    process = subprocess.Popen(["bash", "-c", script])
+    # A test run started in the background (`nohup ... &`, a runner without job control) ignores SIGINT, and bash
+    # cannot trap a signal ignored when it starts: the script gets SIGINT's default here, as from a terminal.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # a handler, so the child's is the default
+    try:
+        process = subprocess.Popen(["bash", "-c", script])
+    finally:
+        signal.signal(signal.SIGINT, previous)
     deadline = time.monotonic() + 30
     while not marker.exists() and time.monotonic() < deadline:
         time.sleep(0.05)
