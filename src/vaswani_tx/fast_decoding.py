@@ -422,7 +422,7 @@ class PackedProjection:
     def of(cls, model: nn.Module, rows: int):
         """The model's projection packed for `rows` rows, or None where packing does not apply (not float32 or
         bfloat16 on the CPU, no oneMKL, an int8 or otherwise replaced pre-softmax layer)."""
-        weight = float32_head(model, bfloat16=True)
+        weight = projection_weight(model, bfloat16=True)
         if weight is None or not can_pack(weight):
             return None
         entry = _PACKED.get(model)
@@ -434,7 +434,7 @@ class PackedProjection:
         return entry
 
 
-def float32_head(model: nn.Module, bfloat16: bool = False) -> torch.Tensor | None:
+def projection_weight(model: nn.Module, bfloat16: bool = False) -> torch.Tensor | None:
     """The pre-softmax matrix W where the loops may compute its product themselves: a float32 `nn.Linear`
     without bias on the CPU (with `bfloat16`, a bfloat16 one too); None for an int8 or otherwise replaced layer
     (then the model's own `project`)."""
@@ -575,9 +575,10 @@ class Projection:
     @classmethod
     def of(cls, model: nn.Module, rows: int, pack: bool = True):
         """The model's projection for a call that starts with `rows` rows, or None where this does not apply
-        (not float32 on the CPU, an int8 or otherwise replaced pre-softmax layer): the model's own `project`.
-        `pack=False`: never packed (greedy search's screen computes most steps' argmax without it)."""
-        weight = float32_head(model, bfloat16=True)
+        (not float32 or bfloat16 on the CPU, a bfloat16 one not packed, an int8 or otherwise replaced pre-softmax
+        layer): the model's own `project`. `pack=False`: never packed (greedy search's screen computes most steps'
+        argmax without it)."""
+        weight = projection_weight(model, bfloat16=True)
         if weight is None:
             return None
         if weight.dtype == torch.bfloat16:
@@ -717,7 +718,7 @@ class ScreenedArgmax:
         vocabulary, not float32 on the CPU, a replaced or biased pre-softmax layer, Marian's logit bias, a width
         the int8 product cannot take (a multiple of 16), a CPU where that product is not vectorized, or a torch
         whose product rounds beyond the bound."""
-        weight = float32_head(model) if rows <= SCREEN_MAX_ROWS else None
+        weight = projection_weight(model) if rows <= SCREEN_MAX_ROWS else None
         if weight is None:
             return None
         if weight.shape[0] < SCREEN_MIN_VOCABULARY or weight.shape[1] % 16 or model.config.final_logits_bias:
