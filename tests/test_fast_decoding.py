@@ -679,6 +679,97 @@ def test_beam_search_over_a_vocabulary_large_enough_for_the_block_top_k(loops):
     assert loops == ["beam_search"]
 
 
+# --- one source a call ------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def one_source(monkeypatch):
+    """How many calls beam search handed to `one_source_search` (one source: its bookkeeping in Python)."""
+    calls = []
+    original = fast_decoding.one_source_search
+
+    def counting(*args, **kwargs):
+        calls.append(args[1].shape[0])
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(fast_decoding, "one_source_search", counting)
+    return calls
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        dict(num_beams=4),  # the paper's: GNMT length penalty 0.6, source length + 50 (SourceLengthCap), early stop
+        dict(
+            num_beams=3,
+            num_return_sequences=3,
+            length_penalty=1.3,
+            length_penalty_type="hf",
+            max_output_length_offset=6,
+        ),
+        dict(num_beams=4, early_stopping=False, max_output_length_offset=4),
+        dict(
+            num_beams=3,
+            early_stopping="never",
+            length_penalty=1.0,
+            length_penalty_type="hf",
+            max_output_length_offset=6,
+        ),
+        dict(num_beams=5, length_penalty=-1.0, length_penalty_type="hf", max_output_length_offset=6),
+        dict(num_beams=4, min_new_tokens=9, max_new_tokens=9),
+        dict(num_beams=2, no_repeat_ngram_size=2, repetition_penalty=1.5),  # processors that read the beams' ids
+        dict(num_beams=3, decoder_input_ids=torch.tensor([[2, 7, 9]]), max_output_length_offset=8),  # a prefix
+    ],
+    ids=["paper", "returns-3", "no-early-stop", "never", "negative-penalty", "min-max", "processors", "prefix"],
+)
+def test_one_sources_beam_search_keeps_its_books_in_python_and_gives_transformers_ids(settings, one_source):
+    """A sentence a call (a service's load, the pipeline given a string): beam search's bookkeeping over the 2k
+    candidates runs in Python (`one_source_search`), with transformers' float32 scores and choices. The same ids for
+    each of transformers' early-stopping rules, length penalties, returned sequences, and processors that read only
+    the rows' shape (the length cap) or the beams' ids; sentences of several lengths."""
+    outputs = []
+    for seed in range(6):
+        model = eos_prone_model(seed)
+        ids, mask = batch(seed=seed, lengths=(2 + 2 * seed,))
+        fast, stock = both(model, input_ids=ids, attention_mask=mask, **settings)
+        assert torch.equal(fast, stock), seed
+        outputs.append(fast)
+    assert one_source == [settings["num_beams"]] * 6
+    if "min_new_tokens" not in settings:
+        assert len({ends(output)[0] for output in outputs}) > 2
+
+
+def test_one_sources_beam_search_with_a_processor_that_reads_ids_and_sentences_ending_early(one_source):
+    model = eos_prone_model(seed=3)
+    for step in (1, 2, 5):
+        ids, mask = batch(seed=step, lengths=(6,))
+        ending = LogitsProcessorList([EndsAt([step])])  # reads the ids' shape only, but does not say so: given ids
+        fast, stock = both(model, input_ids=ids, attention_mask=mask, num_beams=4, logits_processor=ending)
+        assert torch.equal(fast, stock)
+    assert one_source == [4] * 3
+
+
+def test_a_callers_stopping_criteria_keep_one_source_on_the_tensor_bookkeeping(one_source, loops):
+    """A criterion of the caller's is asked over all 2k candidates, as transformers asks it: the tensor loop."""
+    model = eos_prone_model(seed=5)
+    ids, mask = batch(seed=5, lengths=(7,))
+    plain = model.generate(input_ids=ids, attention_mask=mask, num_beams=3, fast_decoding=False)
+    criteria = StoppingCriteriaList([StopAfter(int(plain[0, 3]))])
+    fast, stock = both(model, input_ids=ids, attention_mask=mask, num_beams=3, stopping_criteria=criteria)
+    assert torch.equal(fast, stock) and fast.shape[1] < plain.shape[1]
+    assert loops == ["beam_search"] and one_source == []
+
+
+def test_one_sources_float32_quotients_round_as_torchs():
+    """Python's floats are doubles: the bookkeeping's scores divided by the length penalty round to float32 as
+    torch divides a float32 tensor by a Python number."""
+    torch.manual_seed(0)
+    scores = torch.randn(2000) * 20
+    for divisor in (((5 + 7) / 6) ** 2.5, ((5 + 13) / 6) ** 0.6, 3.0, 11**1.3):
+        quotients = (scores / divisor).tolist()
+        assert [fast_decoding._divided(score, divisor) for score in scores.tolist()] == quotients
+
+
 # --- greedy search's int8 screen ---------------------------------------------------------------------------------
 
 

@@ -34,7 +34,10 @@ maxima first), so the output ids are transformers' own. What they save, per step
   and beam search's log-softmax and top-k too where the processors can follow (`sources_can_leave`).
 - beam search's top-k over each source's beams x V scores searches only the 64-score blocks with the k largest
   maxima (`largest`: the same values at the same indices, 2.5x faster than `torch.topk` at 6 x 8,000), and adds
-  the beams' scores to those blocks only, not to all k x V log-probabilities.
+  the beams' scores to those blocks only, not to all k x V log-probabilities;
+- a sentence a call (one source: a service, the pipeline given a string), beam search's bookkeeping over the 2k
+  candidates runs in Python rather than as some 40 tensor operations a step on tensors of a dozen numbers
+  (`one_source_search`, the same float32 scores and choices).
 The model's own decoder `forward` computes each step: the attention reads its keys and values from the cache it
 is given (`DecodingCache` has the part of transformers' EncoderDecoderCache interface it uses).
 Where the model's folder holds a compiled decoding step (`vaswani-tx compile`, compiled_decoding.py) that fits the
@@ -59,6 +62,7 @@ import mmap
 import sys
 import weakref
 
+import numpy
 import torch
 from torch import nn
 from transformers.cache_utils import EncoderDecoderCache
@@ -1247,6 +1251,11 @@ def beam_search(model, input_ids, logits_processor, stopping_criteria, generatio
     device = input_ids.device
     n_eos_tokens = eos_token_id.shape[0] if eos_token_id is not None else 0
     beams_to_keep = max(2, 1 + n_eos_tokens) * num_beams
+    if one_source_applies(batch_size, stopping_criteria):
+        session = open_session(model, model_kwargs, input_ids, max_length, rows_per_source=num_beams)
+        return one_source_search(
+            session, input_ids, logits_processor, stopping_criteria, generation_config, beams_to_keep
+        )
     top_num_beam_mask = torch.cat(
         (torch.ones(num_beams, dtype=torch.bool), torch.zeros(beams_to_keep - num_beams, dtype=torch.bool))
     ).to(device)
@@ -1405,3 +1414,129 @@ def beam_search(model, input_ids, logits_processor, stopping_criteria, generatio
     beam_indices = beam_indices[:, :num_return_sequences, :].reshape(-1, beam_indices.shape[-1])
     max_generated_length = ((beam_indices + 1).bool()).sum(dim=1).max()
     return sequences[:, : decoder_prompt_len + max_generated_length]
+
+
+# --- beam search over one source ---------------------------------------------------------------------------------
+
+
+def one_source_applies(batch_size: int, stopping_criteria) -> bool:
+    """Whether `one_source_search` can take this beam search: one source (a sentence a call: a service, the
+    pipeline given a string), stopped by its length and end-of-sentence tokens only, as every call is unless a
+    caller adds criteria (whose state and answers over the 2k candidates stay transformers' to ask)."""
+    return batch_size == 1 and all(type(c) in (MaxLengthCriteria, EosTokenCriteria) for c in stopping_criteria)
+
+
+def reads_shape_only(processor) -> bool:
+    """Whether a processor reads the rows' number and length only, not their ids: those `process` masks by length,
+    and a processor class that says so with `reads_ids = False` (`SourceLengthCap`). With these alone,
+    `one_source_search` hands them a tensor of that shape rather than writing the beams' ids into one."""
+    return type(processor) in MASKING_PROCESSORS or getattr(type(processor), "reads_ids", True) is False
+
+
+def _float32(value: float) -> float:
+    return float(numpy.float32(value))
+
+
+def _divided(value: float, divisor: float) -> float:
+    """`value / divisor` as torch divides a float32 tensor by a Python float: both in float32 (checked)."""
+    return float(numpy.float32(value) / numpy.float32(divisor))
+
+
+class _Entry:
+    """A hypothesis of the loop below: its float32 score (a Python float holding it exactly), its ids (the decoder's
+    prefix included) and whether it has ended (for a kept hypothesis)."""
+
+    __slots__ = ("score", "ids", "finished")
+
+    def __init__(self, score: float, ids: list[int], finished: bool = False):
+        self.score, self.ids, self.finished = score, ids, finished
+
+
+def one_source_search(session, input_ids, logits_processor, stopping_criteria, generation_config, k2: int):
+    """`beam_search` for one source, its bookkeeping in Python over the 2k candidates rather than in some 40 tensor
+    operations a step on tensors of a dozen numbers (about 0.5 ms a step, as long as the decoder's step at a
+    sentence a call). The same choices: transformers' `_beam_search` step for step, its float32 sums and quotients
+    rounded as torch rounds them (`_divided`), its top-k's as a stable sort of the same values (the same up to the
+    order of exact ties, which torch.topk leaves unspecified); what transformers' masks (-1e9) do to a score is
+    done to it here too. Rows of the decoder's batch are the source's k beams."""
+    early_stopping = generation_config.early_stopping
+    length_penalty = generation_config.length_penalty
+    num_beams = generation_config.num_beams
+    eos_token_id = generation_config._eos_token_tensor
+    pad_token_id = generation_config._pad_token_tensor
+    fill = int(pad_token_id or eos_token_id[0] if eos_token_id is not None else -1)  # transformers' output fill
+    max_length = (
+        min(c.max_length for c in stopping_criteria if type(c) is MaxLengthCriteria)
+        if any(type(c) is MaxLengthCriteria for c in stopping_criteria)
+        else None
+    )
+    ends = {int(t) for c in stopping_criteria if type(c) is EosTokenCriteria for t in c.eos_token_id.reshape(-1)}
+    device = input_ids.device
+    prompt_len = cur_len = input_ids.shape[1]
+    prompt = input_ids[0].tolist()
+    # A beam of rows: the first starts at score 0, the others at -1e9 (their copies of the prefix are not chosen)
+    running = [_Entry(0.0 if beam == 0 else -1e9, prompt) for beam in range(num_beams)]
+    kept = [_Entry(-1e9, prompt) for _ in range(num_beams)]  # transformers' `sequences`, `beam_scores`
+    improvable = True  # transformers' `is_early_stop_heuristic_unsatisfied`
+    needs_ids = not all(reads_shape_only(p) for p in logits_processor)
+    shape_only = torch.empty((num_beams, generation_config.max_length), dtype=torch.long, device=device)
+    columns, tokens = {}, input_ids
+    while True:
+        if cur_len == prompt_len:
+            log_probs = first_step(session, tokens, num_beams, log_softmax=True)
+        else:
+            log_probs = session.step(tokens, log_softmax=True)
+        if len(logits_processor):
+            ids = torch.tensor([entry.ids for entry in running], device=device) if needs_ids else None
+            if ids is None:
+                ids = shape_only[:, :cur_len]
+            log_probs = process(logits_processor, ids, log_probs, columns)
+        width = log_probs.shape[-1]
+        shift = torch.tensor([[entry.score for entry in running]], dtype=torch.float32, device=device)
+        values, indices = largest(log_probs.view(1, num_beams, width), k2, shift)
+        values, indices = values[0].tolist(), indices[0].tolist()
+        at_length = max_length is not None and cur_len + 1 >= max_length
+        candidates = []  # (score, ids, beam, ended, score as a running beam's: an ended one's is 1e9 lower)
+        for value, index in zip(values, indices):
+            beam, token = divmod(index, width)
+            ended = at_length or token in ends
+            candidates.append(
+                (value, running[beam].ids + [token], beam, ended, _float32(value - 1e9) if ended else value)
+            )
+        # The k best continuations go on as running beams (transformers' `_get_running_beams_for_next_iteration`)
+        order = sorted(range(k2), key=lambda j: -candidates[j][4])[:num_beams]
+        # Those among the first k that ended compete with the kept hypotheses, their scores divided by the length
+        # penalty; transformers lowers every other candidate (and all of them once nothing can improve) by 1e9
+        # (`_update_finished_beams`)
+        penalty = (cur_len + 1 - prompt_len) ** length_penalty
+        full = all(entry.finished for entry in kept) and early_stopping is True
+        merged = list(kept)
+        for j, (value, ids, _, ended, _) in enumerate(candidates):
+            ended = ended and j < num_beams
+            score = _divided(value, penalty)
+            for lowered in (full, not improvable, not ended):
+                if lowered:
+                    score = _float32(score - 1e9)
+            merged.append(_Entry(score, ids, ended))
+        kept = sorted(merged, key=lambda entry: -entry.score)[:num_beams]
+        running = [_Entry(candidates[j][4], candidates[j][1]) for j in order]
+        beams = [candidates[j][2] for j in order]
+        cur_len += 1
+        # transformers' `_check_early_stop_heuristic`: can the best running beam still beat the worst kept one?
+        if early_stopping == "never" and length_penalty > 0.0:
+            best_length = generation_config.max_length - prompt_len
+        else:
+            best_length = cur_len - prompt_len
+        best_possible = _divided(running[0].score, best_length**length_penalty)
+        worst = min(entry.score for entry in kept)
+        improvable = improvable and any(best_possible > (worst if entry.finished else -1e9) for entry in kept)
+        all_kept = all(entry.finished for entry in kept)
+        if not improvable or (all_kept and early_stopping is True) or all(c[3] for c in candidates):
+            break
+        if beams != list(range(num_beams)):
+            session.reorder(torch.tensor(beams, device=device))
+        tokens = torch.tensor([[entry.ids[-1]] for entry in running], device=device)
+
+    returned = kept[: generation_config.num_return_sequences]
+    length = max(len(entry.ids) for entry in returned)
+    return torch.tensor([entry.ids + [fill] * (length - len(entry.ids)) for entry in returned], device=device)

@@ -79,23 +79,31 @@ class SourceLengthCap(LogitsProcessor):
 
     # Scores stay as they are, or only </s> stays finite: greedy search may screen its argmax (fast_decoding.py).
     screens_argmax = True
+    # It reads the rows' number and length, not their ids (`reads_shape_only`, fast_decoding.py).
+    reads_ids = False
 
     def __init__(self, max_tokens: torch.Tensor, eos_token_id: int, score_forced_eos: bool = False):
         self.max_tokens = max_tokens
         self.eos_token_id = eos_token_id
         self.score_forced_eos = score_forced_eos
         self.prompt_length: int | None = None
+        self.earliest: int | None = None  # the smallest limit: before it no step needs a tensor operation
 
     def select_sources(self, sources: torch.Tensor) -> SourceLengthCap:
         """This cap for a subset of its sources (beam search drops the finished ones from its rows)."""
         selected = copy.copy(self)
         selected.max_tokens = self.max_tokens[sources.to(self.max_tokens.device)]
+        selected.earliest = None
         return selected
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         if self.prompt_length is None:
             self.prompt_length = input_ids.shape[1]  # the decoder start token (and any forced prefix)
         generated = input_ids.shape[1] - self.prompt_length
+        if self.earliest is None:
+            self.earliest = int(self.max_tokens.min())
+        if generated + 1 < self.earliest:  # no row at its limit yet: most steps
+            return scores
         limits = self.max_tokens.to(scores.device).repeat_interleave(input_ids.shape[0] // self.max_tokens.numel())
         at_limit = (generated + 1 >= limits).nonzero().squeeze(1)  # rows whose next token is the last one allowed
         if at_limit.numel() == 0:  # most steps: nothing to change, and no (rows, V) tensor written
