@@ -1442,6 +1442,12 @@ def _divided(value: float, divisor: float) -> float:
     return float(numpy.float32(value) / numpy.float32(divisor))
 
 
+def top(scores: list[float], k: int) -> list[int]:
+    """The positions of the k largest of these float32 scores, as torch.topk orders them: its order among exact ties
+    is its own (bfloat16 logits make them common), so the choice is left to it, on a tensor of a dozen numbers."""
+    return torch.topk(torch.tensor([scores], dtype=torch.float32), k).indices[0].tolist()
+
+
 class _Entry:
     """A hypothesis of the loop below: its float32 score (a Python float holding it exactly), its ids (the decoder's
     prefix included) and whether it has ended (for a kept hypothesis)."""
@@ -1456,9 +1462,9 @@ def one_source_search(session, input_ids, logits_processor, stopping_criteria, g
     """`beam_search` for one source, its bookkeeping in Python over the 2k candidates rather than in some 40 tensor
     operations a step on tensors of a dozen numbers (about 0.5 ms a step, as long as the decoder's step at a
     sentence a call). The same choices: transformers' `_beam_search` step for step, its float32 sums and quotients
-    rounded as torch rounds them (`_divided`), its top-k's as a stable sort of the same values (the same up to the
-    order of exact ties, which torch.topk leaves unspecified); what transformers' masks (-1e9) do to a score is
-    done to it here too. Rows of the decoder's batch are the source's k beams."""
+    rounded as torch rounds them (`_divided`), its top-k's torch.topk's over the same values (`top`, so that exact
+    ties go the same way); what transformers' masks (-1e9) do to a score is done to it here too. Rows of the
+    decoder's batch are the source's k beams."""
     early_stopping = generation_config.early_stopping
     length_penalty = generation_config.length_penalty
     num_beams = generation_config.num_beams
@@ -1504,7 +1510,7 @@ def one_source_search(session, input_ids, logits_processor, stopping_criteria, g
                 (value, running[beam].ids + [token], beam, ended, _float32(value - 1e9) if ended else value)
             )
         # The k best continuations go on as running beams (transformers' `_get_running_beams_for_next_iteration`)
-        order = sorted(range(k2), key=lambda j: -candidates[j][4])[:num_beams]
+        order = top([candidate[4] for candidate in candidates], num_beams)
         # Those among the first k that ended compete with the kept hypotheses, their scores divided by the length
         # penalty; transformers lowers every other candidate (and all of them once nothing can improve) by 1e9
         # (`_update_finished_beams`)
@@ -1518,7 +1524,7 @@ def one_source_search(session, input_ids, logits_processor, stopping_criteria, g
                 if lowered:
                     score = _float32(score - 1e9)
             merged.append(_Entry(score, ids, ended))
-        kept = sorted(merged, key=lambda entry: -entry.score)[:num_beams]
+        kept = [merged[i] for i in top([entry.score for entry in merged], num_beams)]
         running = [_Entry(candidates[j][4], candidates[j][1]) for j in order]
         beams = [candidates[j][2] for j in order]
         cur_len += 1
