@@ -1493,9 +1493,9 @@ def one_source_search(session, input_ids, logits_processor, stopping_criteria, g
         else:
             log_probs = session.step(tokens, log_softmax=True)
         if len(logits_processor):
-            ids = torch.tensor([entry.ids for entry in running], device=device) if needs_ids else None
-            if ids is None:
-                ids = shape_only[:, :cur_len]
+            ids = (
+                torch.tensor([entry.ids for entry in running], device=device) if needs_ids else shape_only[:, :cur_len]
+            )
             log_probs = process(logits_processor, ids, log_probs, columns)
         width = log_probs.shape[-1]
         shift = torch.tensor([[entry.score for entry in running]], dtype=torch.float32, device=device)
