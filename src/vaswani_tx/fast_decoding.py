@@ -47,8 +47,8 @@ Python's per-operator overhead; the same ids (tested).
 Anything else (sampling, scores or attention weights returned, a streamer, a cache passed in, a static cache,
 `fast_decoding=False`) runs transformers' loops unchanged.
 
-This file travels with saved weights for `trust_remote_code`: torch, transformers, compiled_decoding.py and
-static_decoding.py only.
+This file travels with saved weights for `trust_remote_code`: torch, transformers (and numpy, which transformers
+requires), compiled_decoding.py and static_decoding.py only.
 """
 
 from __future__ import annotations
