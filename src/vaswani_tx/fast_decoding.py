@@ -1232,6 +1232,13 @@ def first_step(session, tokens: torch.Tensor, num_beams: int, log_softmax: bool 
     return logits.repeat_interleave(num_beams, dim=0)
 
 
+def output_fill(generation_config) -> int:
+    """What transformers' beam search writes after a hypothesis' end: the pad id, or the first end-of-sentence id
+    where the pad id is None or 0 (its `pad or eos` reads a 0 id as false), or -1 without either."""
+    pad_token_id, eos_token_id = generation_config._pad_token_tensor, generation_config._eos_token_tensor
+    return int(pad_token_id or eos_token_id[0] if eos_token_id is not None else -1)
+
+
 @in_inference_mode
 def beam_search(model, input_ids, logits_processor, stopping_criteria, generation_config, model_kwargs):
     """transformers' `_beam_search` (without sampling), with its own bookkeeping functions: at each step the
@@ -1243,7 +1250,6 @@ def beam_search(model, input_ids, logits_processor, stopping_criteria, generatio
     num_beams = generation_config.num_beams
     num_return_sequences = generation_config.num_return_sequences
     eos_token_id = generation_config._eos_token_tensor
-    pad_token_id = generation_config._pad_token_tensor
 
     batch_size_unflattened, cur_len = input_ids.shape[:2]
     batch_size = batch_size_unflattened // num_beams
@@ -1260,7 +1266,7 @@ def beam_search(model, input_ids, logits_processor, stopping_criteria, generatio
         (torch.ones(num_beams, dtype=torch.bool), torch.zeros(beams_to_keep - num_beams, dtype=torch.bool))
     ).to(device)
 
-    output_fill_value = pad_token_id or eos_token_id[0] if eos_token_id is not None else -1
+    output_fill_value = output_fill(generation_config)
     running_sequences = torch.full(
         (batch_size, num_beams, max_length), fill_value=output_fill_value, dtype=torch.int64, device=device
     )
@@ -1468,14 +1474,8 @@ def one_source_search(session, input_ids, logits_processor, stopping_criteria, g
     early_stopping = generation_config.early_stopping
     length_penalty = generation_config.length_penalty
     num_beams = generation_config.num_beams
-    eos_token_id = generation_config._eos_token_tensor
-    pad_token_id = generation_config._pad_token_tensor
-    fill = int(pad_token_id or eos_token_id[0] if eos_token_id is not None else -1)  # transformers' output fill
-    max_length = (
-        min(c.max_length for c in stopping_criteria if type(c) is MaxLengthCriteria)
-        if any(type(c) is MaxLengthCriteria for c in stopping_criteria)
-        else None
-    )
+    fill = output_fill(generation_config)
+    max_length = min((c.max_length for c in stopping_criteria if type(c) is MaxLengthCriteria), default=None)
     ends = {int(t) for c in stopping_criteria if type(c) is EosTokenCriteria for t in c.eos_token_id.reshape(-1)}
     device = input_ids.device
     prompt_len = cur_len = input_ids.shape[1]
