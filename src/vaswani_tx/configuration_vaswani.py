@@ -10,6 +10,8 @@ This file is copied next to saved weights for `trust_remote_code`: it imports on
 
 from __future__ import annotations
 
+import copy
+
 from transformers import AutoConfig, PreTrainedConfig
 
 from .errors import UserInputError
@@ -208,6 +210,21 @@ class VaswaniConfig(PreTrainedConfig):
                 raise UserInputError(
                     f"VaswaniConfig: {name}={value!r} is not allowed; it must be an id in [0, {size}={self.target_vocab_size})."
                 )
+
+    def get_text_config(self, decoder: bool | None = None, encoder: bool | None = None) -> VaswaniConfig:
+        """One config serves both ends; `num_hidden_layers` names the decoder's stack, which is what generate()
+        sizes its cache by. The decoder's view (`decoder=True`) holds the target side's sizes: a shallow copy with
+        `vocab_size` = `decoder_vocab_size` and `d_ff` = `decoder_d_ff` where they differ, else this config
+        itself. transformers' view of a flat encoder-decoder config deep-copies it and sets those two to None;
+        generate() asks for it three times a call (0.13 ms each: 1.5% of a sentence a call)."""
+        if not decoder or encoder:
+            return self
+        vocab_size, d_ff = self.target_vocab_size, self.decoder_d_ff or self.d_ff
+        if (vocab_size, d_ff) == (self.vocab_size, self.d_ff):
+            return self
+        view = copy.copy(self)
+        view.vocab_size, view.d_ff = vocab_size, d_ff
+        return view
 
     @property
     def target_vocab_size(self) -> int:
