@@ -624,6 +624,44 @@ def test_the_caches_reordered_keys_are_whole_buffers_in_reused_allocations():
     assert len(allocations) <= 5
 
 
+def test_the_compiled_steps_slots_reorder_every_layer_in_one_copy_and_stay_contiguous_views():
+    """The compiled step's self-attention slots (`PositionSlots`): each layer's written prefix plus this step's slot
+    is a contiguous view of the one tensor for all layers; after a reordering (beams repeated, fewer rows) the
+    views hold the chosen rows' written positions, a step writes its slot in place, and a step with no reordering
+    before it grows the tensor with the positions kept."""
+    torch.manual_seed(0)
+    layers, heads, d_k, d_v = 3, 2, 4, 5
+    slots = fast_decoding.PositionSlots(layers)
+    like = torch.zeros(1)
+    expected_keys = [torch.empty(0, 6, heads, d_k) for _ in range(layers)]
+    expected_values = [torch.empty(0, 6, heads, d_v) for _ in range(layers)]
+
+    def step(rows: int) -> None:  # what the compiled step does: write this position's slot in every view
+        keys, values = slots.views(rows, 1, heads, d_k, d_v, like)
+        for layer in range(layers):
+            assert keys[layer].shape == (slots.length + 1, 1, rows, heads, d_k) and keys[layer].is_contiguous()
+            assert values[layer].is_contiguous()
+            new_key, new_value = torch.randn(1, 1, rows, heads, d_k), torch.randn(1, 1, rows, heads, d_v)
+            keys[layer][-1:], values[layer][-1:] = new_key, new_value
+            expected_keys[layer] = torch.cat([expected_keys[layer], new_key[:, 0]])
+            expected_values[layer] = torch.cat([expected_values[layer], new_value[:, 0]])
+        slots.length += 1
+        for layer in range(layers):
+            torch.testing.assert_close(slots.keys[layer, : slots.length], expected_keys[layer], rtol=0, atol=0)
+            torch.testing.assert_close(slots.values[layer, : slots.length], expected_values[layer], rtol=0, atol=0)
+
+    for _ in range(3):
+        step(6)
+    for order in ([5, 4, 3, 2, 1, 0], [0, 0, 1, 1, 2, 2], None, [3, 1, 4], None, None, [2, 2, 0], None):
+        if order is not None:
+            slots.select_rows(torch.tensor(order))
+            expected_keys = [keys[:, order] for keys in expected_keys]
+            expected_values = [values[:, order] for values in expected_values]
+            assert slots.keys.shape[1] == slots.length + 1  # the written positions and the next step's slot
+        step(len(expected_keys[0][0]))
+    assert slots.keys.shape[1] >= 16  # the last step, with no reordering before it, grew the copy (exact size)
+
+
 def test_the_output_is_an_ordinary_tensor_outside_inference_mode():
     model = eos_prone_model()
     ids, mask = batch()

@@ -848,34 +848,59 @@ PACKS_MAX_ROWS = 64
 
 
 class PositionSlots:
-    """The self-attention keys and values of every layer, position-major, (capacity, rows, h, d): the written
-    prefix plus this step's slot is a contiguous view, which is what the compiled step takes. Capacity doubles."""
+    """The self-attention keys and values of every layer, position-major, one tensor for all layers' keys and one
+    for their values, (layers, capacity, rows, h, d): a layer's written prefix plus this step's slot is a contiguous
+    view, which is what the compiled step takes. Capacity doubles as positions are written. One tensor for all
+    layers makes beam search's reordering two copies a step, not two a layer (`select_rows`)."""
 
     def __init__(self, num_layers: int):
-        self.keys: list[torch.Tensor | None] = [None] * num_layers
-        self.values: list[torch.Tensor | None] = [None] * num_layers
+        self.num_layers = num_layers
+        self.keys: torch.Tensor | None = None
+        self.values: torch.Tensor | None = None
         self.length = 0
-        self.spare: torch.Tensor | None = None
+        self.spare: list[torch.Tensor | None] = [None, None]
 
     def views(self, rows: int, groups: int, heads: int, d_k: int, d_v: int, like: torch.Tensor):
         """(P + 1, G, k, h, d) views of each layer's keys and values, P the positions written so far."""
         end = self.length + 1
-        for buffers, depth in ((self.keys, d_k), (self.values, d_v)):
-            for layer, buffer in enumerate(buffers):
-                if buffer is None or buffer.shape[0] < end:
-                    grown = like.new_empty(max(16, 2 * end), rows, heads, depth)
-                    if buffer is not None and self.length:
-                        grown[: self.length] = buffer[: self.length]
-                    buffers[layer] = grown
+        if self.keys is None or self.keys.shape[1] < end:
+            self.keys, self.values = (
+                self._grown(buffer, end, rows, heads, depth, like)
+                for buffer, depth in ((self.keys, d_k), (self.values, d_v))
+            )
         shape = (end, groups, rows // groups, heads)
-        keys = tuple(buffer[:end].view(*shape, d_k) for buffer in self.keys)
-        values = tuple(buffer[:end].view(*shape, d_v) for buffer in self.values)
+        keys = tuple(self.keys[layer, :end].view(*shape, d_k) for layer in range(self.num_layers))
+        values = tuple(self.values[layer, :end].view(*shape, d_v) for layer in range(self.num_layers))
         return keys, values
 
+    def _grown(self, buffer, end: int, rows: int, heads: int, depth: int, like: torch.Tensor) -> torch.Tensor:
+        grown = like.new_empty(self.num_layers, max(16, 2 * end), rows, heads, depth)
+        if buffer is not None and self.length:
+            grown[:, : self.length] = buffer[:, : self.length]
+        return grown
+
     def select_rows(self, rows: torch.Tensor) -> None:
-        """Keep (and reorder to) these rows: beam search's reordering or the sentences not finished."""
-        for buffers in (self.keys, self.values):
-            self.spare = select_written_rows(buffers, rows, 1, 0, [self.length] * len(buffers), self.spare)
+        """Keep (and reorder to) these rows: beam search's reordering or the sentences not finished. One
+        `index_select` over all layers' written positions a tensor, into a tensor of exactly those positions plus
+        the next step's slot (whose copy is of the last written position: the step overwrites it), so that the copy
+        is contiguous. It goes into the spare (the buffer before last) where that has room, as `_within` says."""
+        if self.keys is None:
+            return
+        layers, capacity, old_rows = self.keys.shape[:3]
+        end = self.length
+        # Flat (layer, position, row) of each copied vector: positions 0 .. end - 1, and end - 1 again for the slot.
+        positions = torch.arange(end + 1, device=rows.device).clamp_(max=max(end - 1, 0))
+        starts = (torch.arange(layers, device=rows.device)[:, None] * capacity + positions) * old_rows
+        pairs = (starts[:, :, None] + rows).view(-1)
+        for kind, buffer in enumerate((self.keys, self.values)):
+            shape = [layers, end + 1, rows.numel(), *buffer.shape[3:]]
+            target = _within(self.spare[kind], shape, buffer, slack=True)
+            torch.index_select(buffer.view(-1, math.prod(shape[3:])), 0, pairs, out=target.view(pairs.numel(), -1))
+            self.spare[kind] = buffer._base if buffer._base is not None else buffer
+            if kind == 0:
+                self.keys = target
+            else:
+                self.values = target
 
 
 class CompiledSession:
