@@ -355,6 +355,34 @@ def test_the_decoders_text_config_holds_the_target_sides_sizes():
     assert (separate.vocab_size, separate.d_ff) == (40, 32)  # the config itself unchanged
 
 
+def test_the_signatures_generate_reads_are_kept_and_still_refuse_unknown_arguments():
+    """The model's forward, its encoder's and decoder's and its decoding methods keep their signatures
+    (`signature_kept`: generate() reads them at every call): the ones inspect computes, and generate() still
+    refuses a keyword argument the model does not take, by them."""
+    import inspect
+
+    from vaswani_tx.generation_vaswani import VaswaniGenerationMixin
+
+    model = tiny_model()
+    functions = [
+        VaswaniForConditionalGeneration.forward,
+        type(model.get_encoder()).forward,
+        type(model.get_decoder()).forward,
+        VaswaniGenerationMixin._beam_search,
+        VaswaniGenerationMixin._sample,
+    ]
+    for function in functions:
+        kept = function.__dict__["__signature__"]
+        del function.__signature__
+        try:
+            assert inspect.signature(function) == kept
+        finally:
+            function.__signature__ = kept
+    ids, mask = batch()
+    with pytest.raises(ValueError, match="not used by the model"):
+        model.generate(input_ids=ids, attention_mask=mask, num_beams=2, max_new_tokens=3, bogus_argument=1)
+
+
 def test_untied_pre_softmax_projection_option(tmp_path):
     model = tiny_model(tie_word_embeddings=False)
     assert model.lm_head.weight is not model.model.shared.weight

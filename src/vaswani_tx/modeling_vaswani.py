@@ -58,7 +58,13 @@ from .compiled_decoding import attach as attach_compiled_step
 from .configuration_vaswani import VaswaniConfig
 from .dropout import Dropout, apply_dropout
 from .errors import UserInputError, check_decoder_mask, check_mask, check_token_ids, load_fitting_weights
-from .generation_vaswani import CACHE_FIELD, VaswaniGenerationMixin, decoding_cache, paper_generation_config
+from .generation_vaswani import (
+    CACHE_FIELD,
+    VaswaniGenerationMixin,
+    decoding_cache,
+    paper_generation_config,
+    signature_kept,
+)
 from .pipeline_vaswani import CUSTOM_PIPELINES
 from .skip_padding import PaddingPlan, at_positions, scatter_positions
 
@@ -445,6 +451,7 @@ class Encoder(nn.Module):
         self.embeddings = Embeddings(config, embed_tokens)
         self.layers = nn.ModuleList([EncoderLayer(config, i) for i in range(config.num_encoder_layers)])
 
+    @signature_kept  # generate() reads it at every call
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -498,6 +505,7 @@ class Decoder(nn.Module):
         self.embeddings = Embeddings(config, embed_tokens)
         self.layers = nn.ModuleList([DecoderLayer(config, i) for i in range(config.num_decoder_layers)])
 
+    @signature_kept  # generate() reads it at every call
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -770,6 +778,7 @@ class VaswaniForConditionalGeneration(VaswaniPreTrainedModel, VaswaniGenerationM
     def set_output_embeddings(self, new_embeddings: nn.Linear) -> None:
         self.lm_head = new_embeddings
 
+    @signature_kept  # generate() reads it at every call
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
