@@ -158,6 +158,45 @@ def test_the_step_reads_the_models_own_weights(compiled_folder, steps):
     assert steps
 
 
+def test_the_models_tensors_are_read_where_they_were_found_while_the_modules_hold_them():
+    """`held_tensors` (what `CompiledStep.usable` reads at every call) is `step_tensors`, the walk, after any change
+    to the modules: a module, parameter or buffer replaced, removed or set where it was None; a change in place
+    leaves the same tensors (their fingerprints tell it)."""
+    import copy
+
+    from vaswani_tx.compiled_decoding import held_tensors, step_tensors, tensor_fingerprint
+
+    model = eos_prone_model()
+
+    def same() -> bool:
+        held, walked = held_tensors(model), step_tensors(model)
+        return list(held) == list(walked) and all(a is b for a, b in zip(held.values(), walked.values()))
+
+    layer = model.model.decoder.layers[0]
+    changes = [
+        lambda: setattr(layer.feed_forward, "w_1", torch.nn.Linear(layer.feed_forward.w_1.in_features, 7)),
+        lambda: setattr(layer.self_attn.q_proj, "weight", torch.nn.Parameter(layer.self_attn.q_proj.weight + 1)),
+        lambda: model.load_state_dict(copy.deepcopy(model.state_dict()), assign=True),
+        lambda: layer.self_attn_norm.register_buffer("extra", None),
+        lambda: setattr(layer.self_attn_norm, "extra", torch.ones(3)),
+        lambda: delattr(layer.self_attn_norm, "extra"),
+        lambda: delattr(layer.feed_forward.w_1, "bias"),
+        lambda: setattr(model.model.decoder.layers, "0", copy.deepcopy(layer)),
+    ]
+    assert same()
+    for change in changes:
+        before = held_tensors(model)
+        change()
+        assert same()
+        assert held_tensors(model) is not before  # found again
+    before = held_tensors(model)
+    fingerprints = [tensor_fingerprint(t) for t in before.values()]
+    with torch.no_grad():
+        model.model.decoder.layers[1].feed_forward.w_2.weight.mul_(2)
+    assert held_tensors(model) is before and same()
+    assert [tensor_fingerprint(t) for t in before.values()] != fingerprints
+
+
 @pytest.fixture
 def few_rows_calls(monkeypatch):
     """The rows of each call of a compiled step: few-rows step's (True) or the other's (False)."""
