@@ -335,21 +335,12 @@ def test_the_decoders_text_config_holds_the_target_sides_sizes():
     feed-forward size; this config itself where they are its own (no copy at each call)."""
     from transformers import DynamicCache
 
-    config = VaswaniConfig(vocab_size=40, d_model=16, d_ff=32, num_heads=2, num_encoder_layers=1, num_decoder_layers=3)
+    sizes = dict(vocab_size=40, d_model=16, d_ff=32, num_heads=2, num_encoder_layers=1, num_decoder_layers=3)
+    config = VaswaniConfig(**sizes)
     assert config.get_text_config(decoder=True) is config and config.get_text_config() is config
     assert config.get_text_config(encoder=True) is config
     assert len(DynamicCache(config=config.get_text_config(decoder=True)).layers) == 3
-    separate = VaswaniConfig(
-        vocab_size=40,
-        d_model=16,
-        d_ff=32,
-        num_heads=2,
-        num_encoder_layers=1,
-        num_decoder_layers=3,
-        share_encoder_decoder_embeddings=False,
-        decoder_vocab_size=30,
-        decoder_d_ff=64,
-    )
+    separate = VaswaniConfig(**sizes, share_encoder_decoder_embeddings=False, decoder_vocab_size=30, decoder_d_ff=64)
     view = separate.get_text_config(decoder=True)
     assert (view.vocab_size, view.d_ff, view.num_hidden_layers) == (30, 64, 3)
     assert (separate.vocab_size, separate.d_ff) == (40, 32)  # the config itself unchanged
