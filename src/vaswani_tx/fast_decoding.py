@@ -892,15 +892,14 @@ class PositionSlots:
         positions = torch.arange(end + 1, device=rows.device).clamp_(max=max(end - 1, 0))
         starts = (torch.arange(layers, device=rows.device)[:, None] * capacity + positions) * old_rows
         pairs = (starts[:, :, None] + rows).view(-1)
+        copies = []
         for kind, buffer in enumerate((self.keys, self.values)):
             shape = [layers, end + 1, rows.numel(), *buffer.shape[3:]]
             target = _within(self.spare[kind], shape, buffer, slack=True)
             torch.index_select(buffer.view(-1, math.prod(shape[3:])), 0, pairs, out=target.view(pairs.numel(), -1))
             self.spare[kind] = buffer._base if buffer._base is not None else buffer
-            if kind == 0:
-                self.keys = target
-            else:
-                self.values = target
+            copies.append(target)
+        self.keys, self.values = copies
 
 
 class CompiledSession:
