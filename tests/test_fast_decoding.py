@@ -709,6 +709,25 @@ def test_the_block_top_k_gives_torch_topks_values_at_its_indices(width):
         assert all(len(set(row.tolist())) == k for row in indices)  # no column twice
 
 
+@pytest.mark.parametrize("width", [64 * 125, 64 * 70 + 5, 500])  # whole blocks, a partial one, too few for blocks
+def test_one_sources_block_top_k_is_the_block_top_ks_choice_and_order(width):
+    """`one_source_largest` (one source's beams, Python lists) gives `largest`'s values and indices in its order,
+    exact ties included: bfloat16 scores, beams at -1e9 (beam search's first step), a row all but masked."""
+    g = torch.Generator().manual_seed(width)
+    for trial in range(40):
+        beams = 1 + trial % 6
+        scores = torch.randn(beams, width, generator=g).log_softmax(-1)
+        if trial % 2:
+            scores = scores.bfloat16().float()  # exact ties, as a bfloat16 model's
+        shift = torch.randn(beams, generator=g) * 3
+        if trial % 5 == 0:
+            shift[1:] = -1e9
+        if trial % 7 == 0:
+            scores[0, :-3] = -math.inf
+        values, indices = fast_decoding.largest(scores[None], 2 * beams, shift[None])
+        assert fast_decoding.one_source_largest(scores, 2 * beams, shift) == (values[0].tolist(), indices[0].tolist())
+
+
 def test_beam_search_over_a_vocabulary_large_enough_for_the_block_top_k(loops):
     model = tiny_model(seed=3, vocab_size=2000)  # 4 beams x 2,000 scores a source: the block path
     ids, mask = batch(seed=4, lengths=(7, 4, 6), vocab=2000)

@@ -1224,6 +1224,24 @@ def largest(scores: torch.Tensor, k: int, shift: torch.Tensor | None = None) -> 
     return values, candidates.gather(1, picked)
 
 
+def one_source_largest(scores: torch.Tensor, k: int, shift: torch.Tensor) -> tuple[list[float], list[int]]:
+    """`largest` for one source's m rows of V scores (m,) shifted, as Python lists: the same values at the same
+    indices in the same order, in half its tensor operations where V is whole blocks (the index arithmetic in
+    Python over the k chosen blocks, and each block's shift read by `index_select`); otherwise `largest` itself."""
+    m, width = scores.shape
+    blocks = width // BLOCK
+    if blocks * BLOCK != width or m * width < BLOCK_TOP_K_MIN or m * blocks < k:
+        values, indices = largest(scores[None], k, shift[None])
+        return values[0].tolist(), indices[0].tolist()
+    maxima = scores.view(m, blocks, BLOCK).amax(-1).add_(shift[:, None])
+    chosen = torch.topk(maxima.view(-1), k).indices  # of the m x blocks, each its beam's block of columns
+    values = scores.view(m * blocks, BLOCK).index_select(0, chosen)
+    values.add_(shift.index_select(0, chosen // blocks)[:, None])  # the same float32 sums as `largest`'s
+    values, picked = torch.topk(values.view(-1), k)
+    chosen = chosen.tolist()
+    return values.tolist(), [chosen[i // BLOCK] * BLOCK + i % BLOCK for i in picked.tolist()]
+
+
 def top_k_continuations(
     model, log_probs, beam_scores, running_sequences, running_beam_indices, cur_len, prompt_len, k
 ):
@@ -1522,9 +1540,8 @@ def one_source_search(session, input_ids, logits_processor, stopping_criteria, g
             )
             log_probs = process(logits_processor, ids, log_probs, columns)
         width = log_probs.shape[-1]
-        shift = torch.tensor([[entry.score for entry in running]], dtype=torch.float32, device=device)
-        values, indices = largest(log_probs.view(1, num_beams, width), k2, shift)
-        values, indices = values[0].tolist(), indices[0].tolist()
+        shift = torch.tensor([entry.score for entry in running], dtype=torch.float32, device=device)
+        values, indices = one_source_largest(log_probs, k2, shift)
         at_length = max_length is not None and cur_len + 1 >= max_length
         candidates = []  # (score, ids, beam, ended, score as a running beam's: an ended one's is 1e9 lower)
         for value, index in zip(values, indices):
