@@ -1225,9 +1225,10 @@ def largest(scores: torch.Tensor, k: int, shift: torch.Tensor | None = None) -> 
 
 
 def one_source_largest(scores: torch.Tensor, k: int, shift: torch.Tensor) -> tuple[list[float], list[int]]:
-    """`largest` for one source's m rows of V scores (m,) shifted, as Python lists: the same values at the same
-    indices in the same order, in half its tensor operations where V is whole blocks (the index arithmetic in
-    Python over the k chosen blocks, and each block's shift read by `index_select`); otherwise `largest` itself."""
+    """`largest` for one source: its beams' (m, V) scores, each row shifted by its beam's score (m,), as Python
+    lists. The same values at the same indices in the same order, in half its tensor operations where V is whole
+    blocks (the index arithmetic in Python over the k chosen blocks, each block's shift read by `index_select`);
+    otherwise `largest` itself."""
     m, width = scores.shape
     blocks = width // BLOCK
     if blocks * BLOCK != width or m * width < BLOCK_TOP_K_MIN or m * blocks < k:
