@@ -133,45 +133,27 @@ class GrowingKeysValues:
         against 9.2 ms a product on an AMD EPYC). Beam search reorders at every step, so it always reads whole
         buffers."""
         for buffers in (self.keys, self.values):
-            self.spare = select_written_rows(buffers, rows, 0, 2, self.lengths, self.spare, room=1)
+            self.spare = select_written_rows(buffers, rows, self.lengths, self.spare, room=1)
 
 
 def select_written_rows(
-    buffers: list,
-    rows: torch.Tensor,
-    row_dim: int,
-    position_dim: int,
-    written: list[int],
-    spare: torch.Tensor | None,
-    room: int | None = None,
+    buffers: list, rows: torch.Tensor, written: list[int], spare: torch.Tensor | None, room: int | None = None
 ) -> torch.Tensor | None:
-    """Keep (and reorder to) `rows` along `row_dim` of each layer's buffer, copying its `written[layer]` positions
-    along `position_dim` only, into the spare buffer, which then takes the layer's place while the layer's old
-    buffer becomes the spare (one copy, no allocation). Fewer rows (finished sentences) go into the first elements
-    of the spare: a fresh tensor that large would cost page faults at every selection (see FRESH_BYTES), 3x the
-    copy itself on Multi30k val. With `room`, the copies are `written + room` positions long rather than the
-    buffer's capacity (views of the spare's allocation, which is kept whole). Returns the spare."""
-    pairs = {}
+    """Keep (and reorder to) `rows` of each layer's (rows, h, positions, d) buffer, copying its `written[layer]`
+    positions only, into the spare buffer, which then takes the layer's place while the layer's old buffer becomes
+    the spare (one copy, no allocation). Fewer rows (finished sentences) go into the first elements of the spare: a
+    fresh tensor that large would cost page faults at every selection (see FRESH_BYTES), 3x the copy itself on
+    Multi30k val. With `room`, the copies are `written + room` positions long rather than the buffer's capacity
+    (views of the spare's allocation, which is kept whole). Returns the spare."""
     for layer, buffer in enumerate(buffers):
         if buffer is None:
             continue
-        shape = list(buffer.shape)
-        shape[row_dim] = rows.numel()
-        if room is not None:
-            shape[position_dim] = written[layer] + room
-        target = _within(spare, shape, buffer, slack=room is not None)
         end = written[layer]
-        if (position_dim, row_dim) == (0, 1):
-            # Position-major: one gather of (position, row) pairs along the first dimension, which torch spreads
-            # over its threads (along the second it does not: 2.3x slower on 2 threads, as fast on one).
-            if end not in pairs:
-                positions = torch.arange(end, device=rows.device)[:, None] * buffer.shape[1]
-                pairs[end] = (positions + rows).view(-1)
-            whole, selected = buffer.flatten(0, 1).flatten(1), target.flatten(0, 1).flatten(1)
-            torch.index_select(whole, 0, pairs[end], out=selected[: end * rows.numel()])
-        else:
-            source = buffer.narrow(position_dim, 0, end)
-            torch.index_select(source, row_dim, rows, out=target.narrow(position_dim, 0, end))
+        shape = [rows.numel(), *buffer.shape[1:]]
+        if room is not None:
+            shape[2] = end + room
+        target = _within(spare, shape, buffer, slack=room is not None)
+        torch.index_select(buffer.narrow(2, 0, end), 0, rows, out=target.narrow(2, 0, end))
         # With `room` every buffer is this function's (or `_grown`'s) own allocation or a view of one: its whole
         # allocation becomes the spare.
         buffers[layer], spare = target, (buffer._base if room is not None and buffer._base is not None else buffer)
@@ -215,7 +197,7 @@ class SourceKeysValues:
         for name in ("keys", "values"):
             buffers = [getattr(layer, name) for layer in self.layers]
             written = [0 if buffer is None else buffer.shape[2] for buffer in buffers]
-            self.spare = select_written_rows(buffers, rows, 0, 2, written, self.spare)
+            self.spare = select_written_rows(buffers, rows, written, self.spare)
             for layer, buffer in zip(self.layers, buffers):
                 setattr(layer, name, buffer)
 
@@ -883,7 +865,9 @@ class PositionSlots:
         """Keep (and reorder to) these rows: beam search's reordering or the sentences not finished. One
         `index_select` over all layers' written positions a tensor, into a tensor of exactly those positions plus
         the next step's slot (whose copy is of the last written position: the step overwrites it), so that the copy
-        is contiguous. It goes into the spare (the buffer before last) where that has room, as `_within` says."""
+        is contiguous. It gathers (layer, position, row) vectors along the first dimension, which torch spreads over
+        its threads (along the rows' dimension it does not: 2.3x slower on 2 threads). It goes into the spare (the
+        buffer before last) where that has room, as `_within` says."""
         if self.keys is None:
             return
         layers, capacity, old_rows = self.keys.shape[:3]
@@ -1201,10 +1185,7 @@ def largest(scores: torch.Tensor, k: int, shift: torch.Tensor | None = None) -> 
     if m * width < BLOCK_TOP_K_MIN or m * blocks < k:
         flat = scores if shift is None else scores + shift[:, :, None]  # what transformers adds, then its top-k
         return torch.topk(flat.reshape(sources, m * width), k)
-    maxima = scores[:, :, : blocks * BLOCK].reshape(sources, m, blocks, BLOCK).amax(-1)
-    if shift is not None:
-        maxima += shift[:, :, None]
-    chosen = torch.topk(maxima.view(sources, m * blocks), k).indices  # (B, k) of the m x blocks
+    chosen = chosen_blocks(scores, k, shift)  # (B, k) of the m x blocks
     beam = chosen // blocks
     starts = beam * width + (chosen - beam * blocks) * BLOCK  # each block's first column in m x V
     candidates = (starts[:, :, None] + torch.arange(BLOCK, device=scores.device)).view(sources, -1)
@@ -1224,6 +1205,17 @@ def largest(scores: torch.Tensor, k: int, shift: torch.Tensor | None = None) -> 
     return values, candidates.gather(1, picked)
 
 
+def chosen_blocks(scores: torch.Tensor, k: int, shift: torch.Tensor | None) -> torch.Tensor:
+    """`largest`'s choice among each source's (B, m, V) scores: the k blocks of 64 columns, of the m x (V // 64)
+    whole ones, with the largest maxima plus their beam's shift (B, m)."""
+    sources, m, width = scores.shape
+    blocks = width // BLOCK
+    maxima = scores[:, :, : blocks * BLOCK].reshape(sources, m, blocks, BLOCK).amax(-1)
+    if shift is not None:
+        maxima += shift[:, :, None]
+    return torch.topk(maxima.view(sources, m * blocks), k).indices
+
+
 def one_source_largest(scores: torch.Tensor, k: int, shift: torch.Tensor) -> tuple[list[float], list[int]]:
     """`largest` for one source: its beams' (m, V) scores, each row shifted by its beam's score (m,), as Python
     lists. The same values at the same indices in the same order, in half its tensor operations where V is whole
@@ -1234,8 +1226,7 @@ def one_source_largest(scores: torch.Tensor, k: int, shift: torch.Tensor) -> tup
     if blocks * BLOCK != width or m * width < BLOCK_TOP_K_MIN or m * blocks < k:
         values, indices = largest(scores[None], k, shift[None])
         return values[0].tolist(), indices[0].tolist()
-    maxima = scores.view(m, blocks, BLOCK).amax(-1).add_(shift[:, None])
-    chosen = torch.topk(maxima.view(-1), k).indices  # of the m x blocks, each its beam's block of columns
+    chosen = chosen_blocks(scores[None], k, shift[None])[0]  # of the m x blocks, each its beam's block of columns
     values = scores.view(m * blocks, BLOCK).index_select(0, chosen)
     values.add_(shift.index_select(0, chosen // blocks)[:, None])  # the same float32 sums as `largest`'s
     values, picked = torch.topk(values.view(-1), k)
