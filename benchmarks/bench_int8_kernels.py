@@ -3,6 +3,12 @@ kernel on fbgemm's packing against the same int8 weights packed for oneDNN, by n
 layers.
 
     PYTHONPATH=src .venv/bin/python benchmarks/bench_int8_kernels.py [--threads 1] [--repeats 200]
+    PYTHONPATH=src .venv/bin/python benchmarks/bench_int8_kernels.py --rows-kernel   # fbgemm against int8_rows.py's
+
+`--rows-kernel`: where `int8_rows.FEW_ROWS` comes from. fbgemm's kernel against the int8 few-rows kernel (built into a
+temporary folder first, about 10 s), on the same int8 weights, at the main job's model's layers (256 x 256,
+256 x 1,024, 1,024 x 256, 256 x 8,000), the base shape's and a few rows: each cell fbgemm's time over the kernel's
+(above 1: the kernel faster), with the kernel's microseconds at 6 rows (beam 6 over one source) beside.
 
 Shapes (in x out): the attention projections 512 x 512, the feed-forward layers 512 x 2048 and 2048 x 512, the
 pre-softmax projections 256 x 8000 (the main job's model) and 512 x 37000 (the paper's base). Each cell is
@@ -16,6 +22,7 @@ difference is printed). Results are printed, not saved: rerun it on the CPU in q
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import time
 import warnings
@@ -25,16 +32,55 @@ from torch import nn
 
 SHAPES = ((512, 512), (512, 2048), (2048, 512), (256, 8000), (512, 37000))
 ROWS = (1, 4, 8, 16, 24, 32, 48, 64, 128, 384)
+ROWS_KERNEL_SHAPES = ((256, 256), (256, 1024), (1024, 256), (256, 8000), *SHAPES)
+ROWS_KERNEL_ROWS = (1, 4, 6, 8, 12, 16, 24, 32)
 KERNEL = torch.ops.quantized.linear_dynamic.default  # what Int8Linear.forward calls, with either packing
 
 
 def seconds(packed, x: torch.Tensor, repeats: int) -> float:
     """Mean time of one call of the int8 kernel on `x` with the weights `packed`."""
-    KERNEL(x, packed, True)
+    return timed(lambda: KERNEL(x, packed, True), repeats)
+
+
+def timed(call, repeats: int) -> float:
+    """Mean time of `call()` over `repeats` calls, after one."""
+    call()
     start = time.perf_counter()
     for _ in range(repeats):
-        KERNEL(x, packed, True)
+        call()
     return (time.perf_counter() - start) / repeats
+
+
+def rows_kernel(args) -> None:
+    """fbgemm's kernel against the int8 few-rows kernel, by rows (see the module docstring)."""
+    import tempfile
+
+    from vaswani_tx import int8_rows
+    from vaswani_tx.quantization import quantize_int8
+
+    with tempfile.TemporaryDirectory() as folder:
+        int8_rows.build(folder)
+        int8_rows.load(folder)
+    print(f"torch {torch.__version__}, {args.threads} thread(s); fbgemm time / int8 few-rows kernel time")
+    print(f"{'in x out':>12} " + " ".join(f"{rows:>6}" for rows in ROWS_KERNEL_ROWS) + "   kernel at 6 rows")
+    with warnings.catch_warnings(), torch.inference_mode():
+        warnings.simplefilter("ignore")
+        for inputs, outputs in ROWS_KERNEL_SHAPES:
+            module = quantize_int8(nn.Sequential(nn.Linear(inputs, outputs)), inplace=True)[0]
+            int8_rows.attach_weights(module)
+            fbgemm = module._packed_params._packed_params
+            cells, six = [], 0.0
+            for rows in ROWS_KERNEL_ROWS:
+                x = torch.randn(rows, inputs)
+                repeats = max(5, args.repeats * 8 // max(rows, 8) * 512 // max(outputs, 512))
+                pairs = [
+                    (seconds(fbgemm, x, repeats), timed(functools.partial(int8_rows.linear, module, x), repeats))
+                    for _ in range(args.rounds)
+                ]
+                cells.append(statistics.median(a / b for a, b in pairs))
+                six = statistics.median(b for _, b in pairs) if rows == 6 else six
+            print(f"{inputs:>5} x {outputs:<5} " + " ".join(f"{c:6.2f}" for c in cells) + f"   {six * 1e6:8.1f} us")
+    print(f"int8_rows.FEW_ROWS = {int8_rows.FEW_ROWS}: the kernel takes products of up to that many rows")
 
 
 def main() -> None:
@@ -47,8 +93,11 @@ def main() -> None:
         help="calls per measurement at up to 32 rows and 512 outputs, fewer above (default 200)",
     )
     parser.add_argument("--rounds", type=int, default=5, help="alternating measurements per cell (default 5)")
+    parser.add_argument("--rows-kernel", action="store_true", help="fbgemm against the int8 few-rows kernel instead")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if args.rows_kernel:
+        return rows_kernel(args)
     if "onednn" not in torch.backends.quantized.supported_engines:
         raise SystemExit("this torch has no oneDNN quantized engine")
     from vaswani_tx.quantization import Int8Linear, quantize_int8

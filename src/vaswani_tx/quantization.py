@@ -27,6 +27,7 @@ gains in speed against the float32 model.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import warnings
 
@@ -34,6 +35,7 @@ import torch
 from torch import nn
 from torch.ao.nn.quantized.dynamic import Linear as DynamicQuantizedLinear  # imported by torch itself already
 
+from vaswani_tx import int8_rows
 from vaswani_tx.errors import UserInputError
 from vaswani_tx.precision import cpu_bf16_instructions
 
@@ -76,8 +78,11 @@ def quantize_int8(model: nn.Module, inplace: bool = False) -> nn.Module:
             module.many_rows_params = _onednn_packing(module)
             if not amx and module is not projection:
                 module.many_rows = Int8Linear.MANY_ROWS_WITHOUT_AMX
-    # the float32 step cannot serve int8 layers: a folder's int8 step (`vaswani-tx compile`) takes its place, if any
+    # the float32 step cannot serve int8 layers: a folder's int8 step (`vaswani-tx compile`) takes its place, if any,
+    # and its int8 few-rows kernel the layers' products of a few rows
     folder = getattr(model, "_compiled_folder", None)
+    if folder is not None and int8_rows.load(folder):
+        use_rows_kernel(model)
     if folder is not None:
         from vaswani_tx.compiled_decoding import attach
 
@@ -122,11 +127,43 @@ class Int8Linear(DynamicQuantizedLinear):
     MANY_ROWS_WITHOUT_AMX = 384
     many_rows = MANY_ROWS  # this layer's (`quantize_int8` sets it by CPU and layer)
     many_rows_params = None
+    # Where the model's folder has the int8 few-rows kernel (int8_rows.py), its copy of the same int8 weights
+    # (`int8_rows.attach_weights`'s buffers) takes products of up to `int8_rows.FEW_ROWS` rows, the activations
+    # quantized a row at a time; and every product while a step that calls it is exported (`rows_calls`).
+    rows_always = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if "rows_packed" in self._buffers and (x.numel() <= int8_rows.FEW_ROWS * self.in_features or self.rows_always):
+            return int8_rows.linear(self, x)
         if self.many_rows_params is not None and x.numel() >= self.many_rows * self.in_features:
             return self._kernel(x, self.many_rows_params, True)
         return self._kernel(x, self._packed_params._packed_params, True)
+
+
+def use_rows_kernel(model: nn.Module) -> None:
+    """Give each of the model's int8 layers its weights for the int8 few-rows kernel (loaded: `int8_rows.load`)."""
+    for module in model.modules():
+        if type(module) is Int8Linear:
+            int8_rows.attach_weights(module)
+
+
+@contextlib.contextmanager
+def rows_calls(model: nn.Module):
+    """While the block runs, every int8 layer of `model` with the kernel's weights takes the kernel for any number of
+    rows, and holds no fbgemm packing (a TorchBind object, which `torch.export` cannot take): the int8 few-rows step
+    is exported so (compile_step.py), a graph of the kernel's calls on the layers' buffers."""
+    layers = [module for module in model.modules() if type(module) is Int8Linear]
+    packings = [
+        (module._modules.pop("_packed_params"), module.__dict__.pop("many_rows_params", None)) for module in layers
+    ]
+    Int8Linear.rows_always = True
+    try:
+        yield
+    finally:
+        Int8Linear.rows_always = False
+        for module, (fbgemm, onednn) in zip(layers, packings):
+            module._modules["_packed_params"] = fbgemm
+            module.many_rows_params = onednn
 
 
 def is_quantized_int8(model: nn.Module) -> bool:

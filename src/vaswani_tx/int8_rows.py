@@ -1,0 +1,180 @@
+"""int8 products of a few rows on CPUs with AVX512-VNNI: `kernels/int8_rows.cpp`, built once into a model folder.
+
+At a sentence a call (beam search over one source: about 6 rows a step) an int8 product is a microsecond or two of
+VNNI work, and fbgemm's dynamic quantized linear, what `quantize_int8` gives every layer, spends some 20 us around it:
+its quantization parameters, the activations' packing, the requantization. The kernel here quantizes each row of
+the activations symmetrically (one scale a row: the same or less error than fbgemm's one 7-bit scale a call) and
+reads each 64-byte block of the weights once for all the rows. The weights are the layer's own int8 weights and
+scales, repacked.
+
+    vaswani-tx compile MODEL         # builds MODEL/kernels/int8_rows.so beside the int8 step (about 10 s, g++)
+    quantize_int8(model)             # a model loaded from MODEL: its int8 layers take the kernel at up to FEW_ROWS rows
+
+The library is built with the C++ compiler for this torch (`torch.utils.cpp_extension`'s headers and libraries)
+and loaded where its manifest matches: this torch, this source, a CPU with the instructions. Anywhere else (another
+torch, a CPU without AVX512-VNNI, no compiler when compiling) the layers keep fbgemm's kernel, with one logged line.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import platform
+import shutil
+import subprocess
+from pathlib import Path
+
+import torch
+
+from .atomic import atomic_folder
+from .errors import UserInputError
+
+logger = logging.getLogger(__name__)
+
+FOLDER = "kernels"
+LIBRARY = "int8_rows.so"
+MANIFEST = "manifest.json"
+SOURCE = Path(__file__).with_name("kernels") / "int8_rows.cpp"
+# Up to this many rows the kernel beats fbgemm's (one thread, AMD EPYC Zen 4, 6 rows: 10 against 22 us at 256 x 256,
+# 13 against 23 at 256 x 1,024, 74 against 91 at 256 x 8,000; at 13 rows 10-28 against 18-34; at 512 x 37,000
+# level from one row on: benchmarks/bench_int8_kernels.py --rows-kernel); from there on the layer's own kernels.
+FEW_ROWS = 16
+# The instructions the library is compiled for (gcc's names) and the /proc/cpuinfo flags that say a CPU has them.
+COMPILE_FLAGS = ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni")
+CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")
+
+_loaded: str | None = None  # the digest of the library loaded into this process (one per process: its operators)
+
+
+def source_digest() -> str:
+    """sha256 of the kernel's source: a library is used only with the source it was built from."""
+    return hashlib.sha256(SOURCE.read_bytes()).hexdigest()
+
+
+def cpu_supports() -> tuple[bool, str]:
+    """(whether this CPU runs the kernel, why not in words)."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return False, f"it is for x86-64 CPUs, this one is {platform.machine()}"
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
+            flags = next((line.split(":", 1)[1].split() for line in cpuinfo if line.startswith("flags")), [])
+    except OSError:
+        return False, "this system does not say which instructions its CPU has (/proc/cpuinfo)"
+    missing = [flag for flag in CPU_FLAGS if flag not in flags]
+    if missing:
+        return False, f"this CPU lacks {', '.join(missing)}"
+    return True, ""
+
+
+def _manifest() -> dict:
+    return {"torch": torch.__version__, "source": source_digest(), "cpu_flags": list(CPU_FLAGS)}
+
+
+def build(folder: str | os.PathLike) -> Path:
+    """Compile the kernel into `folder`/kernels (replaced whole); returns that folder.
+
+    Raises:
+        UserInputError: this CPU lacks the instructions, or no C++ compiler could build it."""
+    supported, why = cpu_supports()
+    if not supported:
+        raise UserInputError(f"no int8 few-rows kernel: {why}")
+    from torch.utils import cpp_extension
+
+    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if compiler is None:
+        raise UserInputError("no int8 few-rows kernel: it needs a C++ compiler (g++), and none was found")
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    with atomic_folder(Path(folder) / FOLDER) as out:
+        command = [
+            compiler, "-O3", "-std=c++20", "-shared", "-fPIC", *COMPILE_FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+            *(f"-I{path}" for path in cpp_extension.include_paths()), str(SOURCE), "-o", str(out / LIBRARY),
+            *(f"-L{path}" for path in cpp_extension.library_paths()), "-lc10", "-ltorch_cpu", "-ltorch",
+        ]  # fmt: skip
+        done = subprocess.run(command, capture_output=True, text=True)
+        if done.returncode != 0:
+            lines = [line for line in done.stderr.splitlines() if "error" in line] or done.stderr.splitlines()[-1:]
+            raise UserInputError(f"no int8 few-rows kernel: {compiler} failed ({(lines or ['?'])[0][:300]})")
+        (out / MANIFEST).write_text(json.dumps(_manifest(), indent=1) + "\n", encoding="utf-8")
+    return Path(folder) / FOLDER
+
+
+def load(folder: str | os.PathLike) -> bool:
+    """Load `folder`/kernels' library into this process where it fits (this torch, this source, this CPU): whether
+    the kernel is there to use now. A folder with none says nothing; one that does not fit logs one line."""
+    global _loaded
+    kernels = Path(folder) / FOLDER
+    if not (kernels / MANIFEST).is_file():
+        return _loaded is not None
+    try:
+        manifest = json.loads((kernels / MANIFEST).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as error:
+        logger.warning("%s: not using the int8 few-rows kernel: its manifest is unreadable (%s)", kernels, error)
+        return _loaded is not None
+    here = _manifest()
+    supported, why = cpu_supports()
+    problem = (
+        f"it was built for torch {manifest.get('torch')}, this is {here['torch']}"
+        if manifest.get("torch") != here["torch"]
+        else "it was built from another version of the kernel's source"
+        if manifest.get("source") != here["source"]
+        else why
+        if not supported
+        else None
+    )
+    if problem is None and _loaded is None:
+        try:
+            torch.ops.load_library(str(kernels / LIBRARY))
+            _loaded = here["source"]
+
+            @torch.library.register_fake("vaswani_tx_int8::linear")  # for torch.export (compile_step.py)
+            def _(x, packed, scales, sums, bias, out_features):
+                return x.new_empty(*x.shape[:-1], out_features)
+        except (OSError, RuntimeError) as error:
+            problem = f"its library does not load ({str(error).strip().splitlines()[0][:200]})"
+    if problem is not None:
+        logger.warning("%s: not using the int8 few-rows kernel: %s; fbgemm's kernel instead", kernels, problem)
+    return _loaded is not None
+
+
+def loaded() -> bool:
+    """Whether this process has the kernel (`load`)."""
+    return _loaded is not None
+
+
+# The buffers `attach_weights` gives an int8 layer (not saved: derived from its int8 weights at each quantization).
+BUFFERS = ("rows_packed", "rows_scales", "rows_sums", "rows_bias")
+
+
+def attach_weights(module: torch.nn.Module) -> None:
+    """Give an int8 layer (`quantize_int8`'s) its weights as the kernel reads them, as buffers: its int8 weights packed
+    in blocks of 16 output rows, their scales, 128 times their sums (what the unsigned activations' offset adds to
+    each product) and its bias in float32. Buffers, so that a compiled step that calls the kernel reads them as the
+    model's own tensors (compile_step.py)."""
+    weight, bias = module._packed_params._weight_bias()
+    if weight.qscheme() not in (torch.per_channel_symmetric, torch.per_channel_affine):
+        raise ValueError(f"the int8 few-rows kernel takes weights with a scale a row, not {weight.qscheme()}")
+    if bool(weight.q_per_channel_zero_points().ne(0).any()):
+        raise ValueError("the int8 few-rows kernel takes symmetric int8 weights (zero points 0)")
+    values = weight.int_repr()
+    ops = torch.ops.vaswani_tx_int8
+    tensors = (ops.pack(values), weight.q_per_channel_scales().float().contiguous(), ops.shift_sums(values))
+    tensors += (None if bias is None else bias.detach().float().contiguous(),)
+    for name, tensor in zip(BUFFERS, tensors):
+        module.register_buffer(name, tensor, persistent=False)
+
+
+def linear(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The int8 layer's product of `x` (..., K) by the kernel (its `attach_weights` buffers)."""
+    packed, scales, sums, bias = (module._buffers[name] for name in BUFFERS)
+    return torch.ops.vaswani_tx_int8.linear(x, packed, scales, sums, bias, module.out_features)
+
+
+def python_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The kernel's arithmetic in torch (for tests): rows quantized symmetrically, products of the int8 values."""
+    scale = x.abs().amax(-1, keepdim=True) / 127
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    rows = torch.round(x * (1 / scale)).clamp(-127, 127)
+    out = (rows.double() @ weight.int_repr().double().t()).float() * (scale * weight.q_per_channel_scales().float())
+    return out if bias is None else out + bias

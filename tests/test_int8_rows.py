@@ -1,0 +1,137 @@
+"""The int8 few-rows kernel (int8_rows.py, kernels/int8_rows.cpp): its arithmetic, where the int8 layers take it,
+and the folders it is not used from."""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from vaswani_tx import int8_rows
+from vaswani_tx.errors import UserInputError
+from vaswani_tx.modeling_vaswani import VaswaniForConditionalGeneration
+from vaswani_tx.quantization import Int8Linear, quantize_int8
+
+SUPPORTED, WHY = int8_rows.cpu_supports()
+needs_kernel = pytest.mark.skipif(
+    not SUPPORTED or shutil.which("g++") is None, reason=f"the kernel does not run here: {WHY or 'no g++'}"
+)
+
+
+@pytest.fixture(scope="module")
+def kernel_folder(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("kernel")
+    int8_rows.build(folder)
+    assert int8_rows.load(folder)
+    return folder
+
+
+def quantized_linear(in_features: int, out_features: int, bias: bool = True, seed: int = 0) -> Int8Linear:
+    torch.manual_seed(seed)
+    layer = nn.Sequential(nn.Linear(in_features, out_features, bias=bias))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return quantize_int8(layer)[0]
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 16, 21])
+@pytest.mark.parametrize(("in_features", "out_features", "bias"), [(64, 48, True), (30, 100, True), (256, 37, False)])
+def test_the_kernel_computes_its_quantization_exactly(kernel_folder, rows, in_features, out_features, bias):
+    """Rows quantized symmetrically to int8 (one scale a row), int32 products with the layer's own int8 weights,
+    scaled back: the kernel gives what torch computes from the same int8 values, for row counts below, at and past
+    its register block of 8, K not a multiple of 4 and N not a multiple of 16, with and without a bias, a zero row
+    included (its scale is 1, its output the bias)."""
+    layer = quantized_linear(in_features, out_features, bias)
+    int8_rows.attach_weights(layer)
+    weight, bias_tensor = layer._packed_params._weight_bias()
+    x = torch.randn(rows, in_features) * 3
+    x[0] = 0.0
+    ours = int8_rows.linear(layer, x)
+    expected = int8_rows.python_reference(x, weight, bias_tensor)
+    assert ours.shape == (rows, out_features)
+    torch.testing.assert_close(ours, expected, rtol=1e-6, atol=1e-5)
+    # within int8's error of the float32 product (the layer's own weights, dequantized)
+    exact = x @ weight.dequantize().t() + (bias_tensor if bias_tensor is not None else 0)
+    assert (ours - exact).abs().max() <= 0.02 * exact.abs().max()
+
+
+@needs_kernel
+def test_int8_layers_take_the_kernel_up_to_few_rows_and_their_own_kernel_past_them(kernel_folder, tmp_path):
+    """A model quantized from a folder with the kernel: every int8 layer has its weights for it, a product of up to
+    `FEW_ROWS` rows is the kernel's (3-D inputs too), one of more rows the layer's fbgemm kernel, as before."""
+    model = VaswaniForConditionalGeneration(_tiny_config())
+    model.save_pretrained(tmp_path / "model")
+    shutil.copytree(kernel_folder / int8_rows.FOLDER, tmp_path / "model" / int8_rows.FOLDER)
+    quantized = quantize_int8(VaswaniForConditionalGeneration.from_pretrained(tmp_path / "model"))
+    layers = [module for module in quantized.modules() if type(module) is Int8Linear]
+    assert layers and all("rows_packed" in module._buffers for module in layers)
+    layer = layers[0]
+    weight, bias = layer._packed_params._weight_bias()
+    few = torch.randn(2, int8_rows.FEW_ROWS // 2, layer.in_features)
+    torch.testing.assert_close(layer(few), int8_rows.python_reference(few, weight, bias), rtol=1e-6, atol=1e-5)
+    many = torch.randn(int8_rows.FEW_ROWS + 1, layer.in_features)
+    fbgemm = torch.ops.quantized.linear_dynamic(many, layer._packed_params._packed_params, True)
+    assert torch.equal(layer(many), fbgemm)
+    ids = torch.tensor([[5, 6, 7, 8, 3]])
+    out = quantized.generate(input_ids=ids, num_beams=3, max_new_tokens=6)
+    assert out.shape[0] == 1 and out.shape[1] <= 7
+
+
+def _tiny_config():
+    from vaswani_tx.configuration_vaswani import VaswaniConfig
+
+    return VaswaniConfig(
+        vocab_size=40, d_model=32, d_ff=64, num_heads=4, d_k=8, d_v=8, num_encoder_layers=2, num_decoder_layers=2
+    )
+
+
+@needs_kernel
+def test_a_kernel_of_another_torch_or_source_is_one_line_and_fbgemm(kernel_folder, tmp_path):
+    """A folder whose kernel was built for another torch, or from another version of the source, is not loaded: one
+    logged line, and the layers keep fbgemm's kernel (in a fresh process, where nothing is loaded yet)."""
+    for field, value in (("torch", "0.0.0"), ("source", "0" * 64)):
+        folder = tmp_path / field
+        shutil.copytree(kernel_folder / int8_rows.FOLDER, folder / int8_rows.FOLDER)
+        manifest = folder / int8_rows.FOLDER / int8_rows.MANIFEST
+        manifest.write_text(json.dumps({**json.loads(manifest.read_text()), field: value}))
+        code = (
+            "import logging, sys; logging.basicConfig(level=logging.WARNING);"
+            "from vaswani_tx import int8_rows; print(int8_rows.load(sys.argv[1]))"
+        )
+        done = subprocess.run([sys.executable, "-c", code, str(folder)], capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.strip() == "False"
+        lines = [line for line in done.stderr.splitlines() if "int8 few-rows kernel" in line]
+        assert len(lines) == 1
+        assert ("built for torch 0.0.0" if field == "torch" else "another version of the kernel's source") in lines[0]
+
+
+def test_a_folder_without_a_kernel_says_nothing(tmp_path, caplog):
+    with caplog.at_level(logging.WARNING):
+        int8_rows.load(tmp_path)
+    assert not caplog.records
+
+
+def test_a_cpu_without_the_instructions_builds_no_kernel(tmp_path, monkeypatch):
+    """Where the CPU lacks AVX512-VNNI, `build` (what `vaswani-tx compile` runs) refuses, naming what is missing, and
+    writes nothing."""
+    monkeypatch.setattr(int8_rows, "cpu_supports", lambda: (False, "this CPU lacks avx512_vnni"))
+    with pytest.raises(UserInputError, match="lacks avx512_vnni"):
+        int8_rows.build(tmp_path)
+    assert not (tmp_path / int8_rows.FOLDER).exists()
+
+
+def test_a_failing_compiler_is_one_line_and_writes_nothing(tmp_path, monkeypatch):
+    monkeypatch.setattr(int8_rows, "cpu_supports", lambda: (True, ""))
+    monkeypatch.setenv("CXX", "false")
+    with pytest.raises(UserInputError, match="false failed"):
+        int8_rows.build(tmp_path)
+    assert not (tmp_path / int8_rows.FOLDER).exists()
