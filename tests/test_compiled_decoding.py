@@ -19,7 +19,7 @@ from transformers import LogitsProcessorList
 
 from test_fast_decoding import EndsAt, EndsAtPerSource, ends, eos_prone_model
 from test_modeling import batch
-from vaswani_tx import compiled_decoding, fast_decoding
+from vaswani_tx import compiled_decoding, fast_decoding, int8_rows
 from vaswani_tx.cli import main
 from vaswani_tx.compile_step import compile_decoder_step
 from vaswani_tx.compiled_decoding import FOLDER, MANIFEST, PACKAGE
@@ -395,6 +395,48 @@ def test_the_int8_step_follows_the_models_int8_layers(compiled_folder, tmp_path,
     )
     shutil.rmtree(folder / FOLDER)
     assert VaswaniForConditionalGeneration.from_pretrained(folder)._compiled_step is None
+
+
+@pytest.mark.skipif(not int8_rows.cpu_supports()[0], reason="a CPU without AVX512-VNNI: no int8 few-rows kernel")
+def test_int8_calls_of_a_few_rows_decode_through_the_kernels_step(compiled_folder):
+    """`vaswani-tx compile` builds the int8 few-rows kernel (`kernels/`) and the int8 model's few-rows step
+    (`compiled-few-int8`), whose products are the kernel's calls on the layers' buffers: a call of up to
+    `FEW_ROWS_MAX_INT8` rows decodes through it (one source, greedy and beam 6; four sources, beam 4), with the eager
+    int8 path's ids, whose layers take the same kernel at those rows; a call of more rows through the other int8
+    step. A layer's kernel buffers are not among the weights a step's fingerprint covers."""
+    assert (compiled_folder / int8_rows.FOLDER / int8_rows.LIBRARY).is_file()
+    assert (compiled_folder / compiled_decoding.FEW_ROWS_INT8_FOLDER / PACKAGE).is_file()
+    model, eager = int8_twins(compiled_folder)
+    assert all("rows_packed" in module._buffers for _, module in compiled_decoding.int8_layers(model))
+    kernel_steps = []
+    original = compiled_decoding.CompiledStep.__call__
+
+    def noting(self, *args):
+        kernel_steps.append(bool(self.manifest.get("rows_kernel")))
+        return original(self, *args)
+
+    compiled_decoding.CompiledStep.__call__ = noting
+    try:
+        ids, mask = batch(seed=3, lengths=(7,))
+        for settings in (dict(num_beams=1), dict(num_beams=6)):
+            assert torch.equal(
+                model.generate(input_ids=ids, attention_mask=mask, **settings),
+                eager.generate(input_ids=ids, attention_mask=mask, **settings),
+            )
+        for kwargs in ending_calls(EndsAtPerSource, dict(num_beams=4)):  # 4 sources x 4 beams: 16 rows
+            assert torch.equal(model.generate(**kwargs), eager.generate(**kwargs))
+        assert kernel_steps and all(kernel_steps)
+        kernel_steps.clear()
+        ids, mask = batch(seed=3, lengths=(7, 4, 6, 2, 5))
+        model.generate(input_ids=ids, attention_mask=mask, num_beams=4)  # 20 rows
+        assert kernel_steps and not any(kernel_steps)
+    finally:
+        compiled_decoding.CompiledStep.__call__ = original
+    fingerprint = compiled_decoding.weights_fingerprint(eager)
+    for _, module in compiled_decoding.int8_layers(eager):
+        for name in compiled_decoding.ROWS_BUFFERS:
+            module._buffers.pop(name, None)
+    assert compiled_decoding.weights_fingerprint(eager) == fingerprint
 
 
 @pytest.mark.skipif(not bf16_is_fast("cpu")[0], reason="a CPU without bf16 instructions: no bfloat16 step")

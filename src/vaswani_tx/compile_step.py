@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from . import int8_rows
 from .atomic import atomic_folder
 from .compiled_decoding import (
     FEW_ROWS_FOLDERS,
@@ -38,6 +39,7 @@ from .compiled_decoding import (
 )
 from .errors import UserInputError
 from .fast_decoding import OneDNNForward, forwards_installed
+from .quantization import rows_calls, use_rows_kernel
 from .static_decoding import _Slots
 
 
@@ -176,6 +178,14 @@ def compile_decoder_steps(
         yield f"wrote the few-rows decoding step to {out} in {time.perf_counter() - start:.1f} s"
     if int8:
         start = time.perf_counter()
+        kernel = None
+        try:  # the int8 products of a few rows (int8_rows.py), which the int8 model below takes when loaded
+            kernel = int8_rows.build(folder)
+        except UserInputError as error:
+            yield f"{error}: the int8 model's products of a few rows stay fbgemm's"
+        else:
+            yield f"wrote the int8 few-rows kernel to {kernel} in {time.perf_counter() - start:.1f} s"
+        start = time.perf_counter()
         try:
             quantized = quantize_int8(model)  # a copy, as the bfloat16 model below
         except UserInputError as error:  # no int8 engine in this torch: --int8 is refused here anyway
@@ -183,6 +193,12 @@ def compile_decoder_steps(
         else:
             out = compile_decoder_step(quantized, folder)
             yield f"wrote the int8 model's compiled decoding step to {out} in {time.perf_counter() - start:.1f} s"
+            if kernel is not None and int8_rows.load(folder):
+                use_rows_kernel(quantized)  # (a model loaded from another folder than this has none yet)
+                start = time.perf_counter()
+                out = compile_decoder_step(quantized, folder, few_rows=True)
+                seconds = time.perf_counter() - start
+                yield f"wrote the int8 model's few-rows decoding step to {out} in {seconds:.1f} s"
     if bf16:
         fast, why = bf16_is_fast("cpu")
         if not fast:
@@ -224,8 +240,14 @@ def compile_decoder_step(model: nn.Module, folder: str | os.PathLike, few_rows: 
             f"{parameter.dtype} on {parameter.device} (load it without dtype/device arguments)"
         )
     int8 = kind == "int8"
-    if few_rows and kind not in FEW_ROWS_FOLDERS:
-        raise UserInputError(f"the few-rows decoding step is for float32 and bfloat16 models; this one is {kind}")
+    # The int8 model's few-rows step: its products are calls of the int8 few-rows kernel on the layers' own buffers
+    # (`rows_calls`), the rest compiled as the other int8 step's; it reads the model's tensors as that one does.
+    rows_kernel = int8 and few_rows
+    if rows_kernel and not all("rows_packed" in module._buffers for _, module in int8_layers(model)):
+        raise UserInputError(
+            "the int8 few-rows step needs the int8 few-rows kernel (int8_rows.py): build it into the folder and "
+            "quantize the model again"
+        )
     step_folder = Path(folder) / (FEW_ROWS_FOLDERS[kind] if few_rows else PRECISIONS[kind][0])
     model.eval()
     # Positions the step can encode: the model's maximum. Sinusoids are a table the graph keeps as a constant,
@@ -249,19 +271,21 @@ def compile_decoder_step(model: nn.Module, folder: str | os.PathLike, few_rows: 
         "sources": {0: groups, 1: source},
         "source_mask": {0: groups, 1: source},
     }
-    step = DecoderStep(model, embedded=few_rows)
+    packed = few_rows and not rows_kernel  # its weights compiled into it, packed for Inductor's products
+    step = DecoderStep(model, embedded=packed)
     # float32 products through oneDNN where chosen (the few-rows step's: Inductor's own); bfloat16 ones are oneDNN's
     float32 = kind == "float32" and not few_rows
     products = onednn_products(model) if float32 and gemm_backend() == "onednn" else contextlib.nullcontext()
-    with torch.no_grad(), products, int8_calls(model) if int8 else contextlib.nullcontext():
-        program = export(step, _example(model, few_rows), dynamic_shapes=dims, strict=False)
+    layers = rows_calls(model) if rows_kernel else int8_calls(model) if int8 else contextlib.nullcontext()
+    with torch.no_grad(), products, layers:
+        program = export(step, _example(model, packed), dynamic_shapes=dims, strict=False)
     known = step_tensors(model)
     others = [name for name in program.constants if name not in known]
     if len(others) > 1 or (others and table is None):
         raise UserInputError(f"the decoder step reads tensors that are not the model's weights: {others}")
     with atomic_folder(step_folder) as out:
         configs = {"aot_inductor.package_constants_in_so": False}
-        if few_rows:  # the weights in the library, packed for Inductor's C++ GEMM template
+        if packed:  # the weights in the library, packed for Inductor's C++ GEMM template
             # (a bfloat16 step's batched attention products have no C++ template: aten's kernels take those)
             backends = "CPP" if kind == "float32" else "CPP,ATEN"
             configs.update(freezing=True, max_autotune=True, max_autotune_gemm_backends=backends)
@@ -276,7 +300,7 @@ def compile_decoder_step(model: nn.Module, folder: str | os.PathLike, few_rows: 
                 f"AOTInductor could not compile the decoding step ({lines[0][:300]}); it needs a C++ compiler "
                 "(g++ or clang++). The model decodes eagerly without it."
             ) from error
-        if few_rows:
+        if packed:
             constants = _weights_apart(Path(package), known, out / FEW_ROWS_WEIGHTS)
         else:
             runner = torch._inductor.aoti_load_package(package)
@@ -291,7 +315,8 @@ def compile_decoder_step(model: nn.Module, folder: str | os.PathLike, few_rows: 
             "constants": constants,
             "precision": kind,
             **({"int8_layers": int8_signature(model)} if int8 else {}),
-            **({"few_rows": FEW_ROWS_MAXIMA[kind]} if few_rows else {}),
+            **({"few_rows": FEW_ROWS_MAXIMA[kind]} if packed else {}),
+            **({"rows_kernel": int8_rows.source_digest(), "rows": FEW_ROWS_MAXIMA[kind]} if rows_kernel else {}),
         }
         (out / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n", encoding="utf-8")
     return step_folder

@@ -63,7 +63,11 @@ INT8_FOLDER = "compiled-int8"  # the int8 model's step, beside the float32 one
 BF16_FOLDER = "compiled-bf16"  # the bfloat16 model's (`--dtype auto` on CPUs with bf16 instructions)
 FEW_ROWS_FOLDER = "compiled-few"  # the float32 model's for calls of at most FEW_ROWS_MAX rows (compile_step.py)
 FEW_ROWS_BF16_FOLDER = "compiled-few-bf16"  # the bfloat16 model's (`--dtype auto` where the CPU has bf16 instructions)
-FEW_ROWS_FOLDERS = {"float32": FEW_ROWS_FOLDER, "bfloat16": FEW_ROWS_BF16_FOLDER}
+# The int8 model's for calls of at most FEW_ROWS_MAX_INT8 rows: each int8 product a call of the int8 few-rows kernel
+# (int8_rows.py, `vaswani_tx_int8::linear`) on the layer's own buffers, from the library; the other int8 step calls
+# the layers' fbgemm kernels through Python (`int8_linear`).
+FEW_ROWS_INT8_FOLDER = "compiled-few-int8"
+FEW_ROWS_FOLDERS = {"float32": FEW_ROWS_FOLDER, "bfloat16": FEW_ROWS_BF16_FOLDER, "int8": FEW_ROWS_INT8_FOLDER}
 # Up to this many rows (sources x beams) a call decodes through the few-rows step. Its products read the weights
 # about twice as fast as oneDNN's at 1-4 rows, but read them again for each further block of rows: the base model,
 # AMD EPYC, against the other step, 1 / 2 threads: 1.5-1.7x / 1.4-1.5x at 1, 4 and 6 rows, 1.07-1.15x / 1.22-1.24x
@@ -72,7 +76,12 @@ FEW_ROWS_MAX = 8
 # The bfloat16 step's from 7 rows on read the weights again as well (base model, the bfloat16 steps, 1 / 2 threads:
 # 1.40-1.68x / 1.46-1.66x at 1, 4 and 6 rows, 0.95-0.97x / 1.00-1.09x at 7 and 8).
 FEW_ROWS_MAX_BF16 = 6
-FEW_ROWS_MAXIMA = {"float32": FEW_ROWS_MAX, "bfloat16": FEW_ROWS_MAX_BF16}
+# The int8 few-rows kernel's calls beat fbgemm's up to 16 rows (int8_rows.FEW_ROWS).
+FEW_ROWS_MAX_INT8 = 16
+FEW_ROWS_MAXIMA = {"float32": FEW_ROWS_MAX, "bfloat16": FEW_ROWS_MAX_BF16, "int8": FEW_ROWS_MAX_INT8}
+# An int8 layer's buffers for that kernel: derived from its int8 weights (which no fingerprint covers: the int8
+# steps read the layers), so no fingerprint of the weights covers them either.
+ROWS_BUFFERS = ("rows_packed", "rows_scales", "rows_sums", "rows_bias")
 FEW_ROWS_WEIGHTS = "weights.safetensors"  # its own tensors: the weights packed for its products, mapped at loading
 PACKAGE = "decoder_step.pt2"
 MANIFEST = "manifest.json"
@@ -149,6 +158,8 @@ def weights_fingerprint(model: nn.Module) -> str:
     (the one embedding matrix of Section 3.4) is read once."""
     crc, seen = 0, set()
     for name, tensor in step_tensors(model).items():
+        if name.rpartition(".")[2] in ROWS_BUFFERS:
+            continue
         crc = zlib.crc32(f"{name}:{tuple(tensor.shape)}:{tensor.dtype}".encode(), crc)
         if tensor.numel() and (tensor.data_ptr(), tensor.shape) not in seen:
             seen.add((tensor.data_ptr(), tensor.shape))
@@ -309,7 +320,10 @@ class CompiledStep:
         same_layers = layers is None or [module for _, module in layers] == self.int8
         if identity == self.bound and same_layers:
             return True
-        if any(dtype != self.dtype or device != "cpu" for _, _, _, dtype, device in identity):
+        if any(
+            (dtype != self.dtype and name.rpartition(".")[2] not in ROWS_BUFFERS) or device != "cpu"
+            for name, _, _, dtype, device in identity
+        ):  # (the int8 few-rows kernel's buffers are int8 and int32)
             return False
         if [entry[:2] for entry in identity] != [entry[:2] for entry in self.bound]:
             return False
@@ -400,6 +414,8 @@ def load_compiled_step(model: nn.Module, folder: str | os.PathLike, few_rows: bo
         problem = _mismatch(manifest, model, here)
     except (ValueError, KeyError, TypeError, OSError) as error:
         problem = f"its manifest cannot be read ({error})"
+    if problem is None and manifest.get("rows_kernel") and not rows_kernel_loaded():
+        return None  # the kernel's folder said why it is not loaded (int8_rows.load), or has none
     if problem is None:
         try:
             if manifest.get("precision") == "int8":
@@ -412,6 +428,15 @@ def load_compiled_step(model: nn.Module, folder: str | os.PathLike, few_rows: bo
         "makes a new one)", where, problem, folder,
     )  # fmt: skip
     return None
+
+
+def rows_kernel_loaded() -> bool:
+    """Whether this process has the int8 few-rows kernel's operator (int8_rows.py loads it)."""
+    try:
+        torch.ops.vaswani_tx_int8.linear  # noqa: B018
+    except (AttributeError, RuntimeError):
+        return False
+    return True
 
 
 def _loader(package: str):
