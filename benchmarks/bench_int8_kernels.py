@@ -32,7 +32,7 @@ from torch import nn
 
 SHAPES = ((512, 512), (512, 2048), (2048, 512), (256, 8000), (512, 37000))
 ROWS = (1, 4, 8, 16, 24, 32, 48, 64, 128, 384)
-ROWS_KERNEL_SHAPES = ((256, 256), (256, 1024), (1024, 256), (256, 8000), *SHAPES)
+ROWS_KERNEL_SHAPES = ((256, 256), (256, 1024), (1024, 256), *SHAPES)
 ROWS_KERNEL_ROWS = (1, 4, 6, 8, 12, 16, 24, 32)
 KERNEL = torch.ops.quantized.linear_dynamic.default  # what Int8Linear.forward calls, with either packing
 
@@ -51,35 +51,42 @@ def timed(call, repeats: int) -> float:
     return (time.perf_counter() - start) / repeats
 
 
+def quantized_layers(shapes):
+    """(in, out, layer) for each shape: `quantize_int8` of a new nn.Linear, the caller's loop under inference mode
+    with torch's quantization warnings silenced."""
+    from vaswani_tx.quantization import quantize_int8
+
+    with warnings.catch_warnings(), torch.inference_mode():
+        warnings.simplefilter("ignore")
+        for inputs, outputs in shapes:
+            yield inputs, outputs, quantize_int8(nn.Sequential(nn.Linear(inputs, outputs)), inplace=True)[0]
+
+
 def rows_kernel(args) -> None:
     """fbgemm's kernel against the int8 few-rows kernel, by rows (see the module docstring)."""
     import tempfile
 
     from vaswani_tx import int8_rows
-    from vaswani_tx.quantization import quantize_int8
 
     with tempfile.TemporaryDirectory() as folder:
         int8_rows.build(folder)
         int8_rows.load(folder)
     print(f"torch {torch.__version__}, {args.threads} thread(s); fbgemm time / int8 few-rows kernel time")
     print(f"{'in x out':>12} " + " ".join(f"{rows:>6}" for rows in ROWS_KERNEL_ROWS) + "   kernel at 6 rows")
-    with warnings.catch_warnings(), torch.inference_mode():
-        warnings.simplefilter("ignore")
-        for inputs, outputs in ROWS_KERNEL_SHAPES:
-            module = quantize_int8(nn.Sequential(nn.Linear(inputs, outputs)), inplace=True)[0]
-            int8_rows.attach_weights(module)
-            fbgemm = module._packed_params._packed_params
-            cells, six = [], 0.0
-            for rows in ROWS_KERNEL_ROWS:
-                x = torch.randn(rows, inputs)
-                repeats = max(5, args.repeats * 8 // max(rows, 8) * 512 // max(outputs, 512))
-                pairs = [
-                    (seconds(fbgemm, x, repeats), timed(functools.partial(int8_rows.linear, module, x), repeats))
-                    for _ in range(args.rounds)
-                ]
-                cells.append(statistics.median(a / b for a, b in pairs))
-                six = statistics.median(b for _, b in pairs) if rows == 6 else six
-            print(f"{inputs:>5} x {outputs:<5} " + " ".join(f"{c:6.2f}" for c in cells) + f"   {six * 1e6:8.1f} us")
+    for inputs, outputs, module in quantized_layers(ROWS_KERNEL_SHAPES):
+        int8_rows.attach_weights(module)
+        fbgemm = module._packed_params._packed_params
+        cells, six = [], 0.0
+        for rows in ROWS_KERNEL_ROWS:
+            x = torch.randn(rows, inputs)
+            repeats = max(5, args.repeats * 8 // max(rows, 8) * 512 // max(outputs, 512))
+            pairs = [
+                (seconds(fbgemm, x, repeats), timed(functools.partial(int8_rows.linear, module, x), repeats))
+                for _ in range(args.rounds)
+            ]
+            cells.append(statistics.median(a / b for a, b in pairs))
+            six = statistics.median(b for _, b in pairs) if rows == 6 else six
+        print(f"{inputs:>5} x {outputs:<5} " + " ".join(f"{c:6.2f}" for c in cells) + f"   {six * 1e6:8.1f} us")
     print(f"int8_rows.FEW_ROWS = {int8_rows.FEW_ROWS}: the kernel takes products of up to that many rows")
 
 
@@ -100,24 +107,21 @@ def main() -> None:
         return rows_kernel(args)
     if "onednn" not in torch.backends.quantized.supported_engines:
         raise SystemExit("this torch has no oneDNN quantized engine")
-    from vaswani_tx.quantization import Int8Linear, quantize_int8
+    from vaswani_tx.quantization import Int8Linear
 
     print(f"torch {torch.__version__}, {args.threads} thread(s); fbgemm time / oneDNN time (above 1: oneDNN faster)")
     print(f"{'in x out':>12} " + " ".join(f"{rows:>6}" for rows in ROWS) + "   max |difference|")
-    with warnings.catch_warnings(), torch.inference_mode():
-        warnings.simplefilter("ignore")
-        for inputs, outputs in SHAPES:
-            module = quantize_int8(nn.Sequential(nn.Linear(inputs, outputs)), inplace=True)[0]
-            assert isinstance(module, Int8Linear)
-            fbgemm, onednn = module._packed_params._packed_params, module.many_rows_params
-            cells, difference = [], 0.0
-            for rows in ROWS:
-                x = torch.randn(rows, inputs)
-                repeats = max(5, args.repeats * 32 // max(rows, 32) * 512 // max(outputs, 512))
-                ratios = [seconds(fbgemm, x, repeats) / seconds(onednn, x, repeats) for _ in range(args.rounds)]
-                cells.append(statistics.median(ratios))
-                difference = max(difference, (KERNEL(x, fbgemm, True) - KERNEL(x, onednn, True)).abs().max().item())
-            print(f"{inputs:>5} x {outputs:<5} " + " ".join(f"{c:6.2f}" for c in cells) + f"   {difference:.1e}")
+    for inputs, outputs, module in quantized_layers(SHAPES):
+        assert isinstance(module, Int8Linear)
+        fbgemm, onednn = module._packed_params._packed_params, module.many_rows_params
+        cells, difference = [], 0.0
+        for rows in ROWS:
+            x = torch.randn(rows, inputs)
+            repeats = max(5, args.repeats * 32 // max(rows, 32) * 512 // max(outputs, 512))
+            ratios = [seconds(fbgemm, x, repeats) / seconds(onednn, x, repeats) for _ in range(args.rounds)]
+            cells.append(statistics.median(ratios))
+            difference = max(difference, (KERNEL(x, fbgemm, True) - KERNEL(x, onednn, True)).abs().max().item())
+        print(f"{inputs:>5} x {outputs:<5} " + " ".join(f"{c:6.2f}" for c in cells) + f"   {difference:.1e}")
     print(
         f"Int8Linear.MANY_ROWS = {Int8Linear.MANY_ROWS}: oneDNN's packing from that many rows up (with AMX; "
         "without, the pre-softmax projection only, the other layers from "

@@ -33,7 +33,11 @@ model has a step for them, `compiled-few/` (the bfloat16 model `compiled-few-bf1
 Inductor's freezing and its C++ GEMM template, whose matrix-vector kernels read weights it packed at compile time
 about twice as fast as oneDNN's product (docs/speed.md). Those packed weights are its own copy
 (`compiled-few/weights.safetensors`, mapped at loading), so it serves the weights it was compiled from only: a model
-whose tensors changed since decodes through the other step.
+whose tensors changed since decodes through the other step. The int8 model's, `compiled-few-int8/`, is the int8
+step with each int8 product a call of the int8 few-rows kernel (int8_rows.py, `vaswani_tx_int8::linear`, which
+`quantize_int8` loads from the folder's `kernels/`) on the layer's own buffers: no Python between the library and the
+kernel, where the other int8 step calls each layer through Python. It reads the model's tensors, as that one does,
+and is used only where the kernel is loaded.
 
 Compiling is compile_step.py's (it stays in the package). This file travels with saved weights for
 `trust_remote_code`: torch, errors.py and (for the few-rows step's weights) safetensors, which transformers needs.
@@ -395,10 +399,11 @@ class TensorPlaces:
 
 def load_compiled_step(model: nn.Module, folder: str | os.PathLike, few_rows: bool = False) -> CompiledStep | None:
     """The compiled step in `folder`/compiled for `model` (`folder`/compiled-int8 for an int8 model, compiled-bf16
-    for a bfloat16 one; with `few_rows`, the model's few-rows step, compiled-few or compiled-few-bf16), or None (with
-    one logged line saying why) when there is none, or it was made for another torch, CPU, architecture, set of
-    weights or of int8 layers, or it cannot be read. A model in another dtype than the steps' is told so by the
-    float32 step's manifest; a folder without a few-rows step for the model's dtype gives None silently."""
+    for a bfloat16 one; with `few_rows`, the model's few-rows step, compiled-few, compiled-few-bf16 or
+    compiled-few-int8), or None (with one logged line saying why) when there is none, or it was made for another torch,
+    CPU, architecture, set of weights or of int8 layers, or it cannot be read. A model in another dtype than the steps'
+    is told so by the float32 step's manifest; a folder without a few-rows step for the model's dtype, or an int8 one
+    without the int8 few-rows kernel loaded (`int8_rows.load` said why), gives None silently."""
     kind = precision(model)
     if few_rows and kind not in FEW_ROWS_FOLDERS:
         return None
@@ -504,14 +509,14 @@ def step_for_dtype(model: nn.Module) -> CompiledStep | None:
 
 def few_rows_key(kind: str) -> str:
     """The few-rows step's key among a model's loaded steps (`_compiled_steps`, by precision): "few_rows" for the
-    float32 model's, "few_rows:bfloat16" for the bfloat16 one's."""
+    float32 model's, "few_rows:bfloat16" and "few_rows:int8" for the others'."""
     return "few_rows" if kind == "float32" else f"few_rows:{kind}"
 
 
 def step_for_rows(model: nn.Module, rows: int) -> CompiledStep | None:
     """The step that can decode a call of `rows` rows (sources x beams) now (`CompiledStep.usable`), or None: the
-    float32 or bfloat16 model's few-rows step up to `FEW_ROWS_MAXIMA` rows where its folder has one that fits the
-    model (loaded at the first such call, then kept), else `step_for_dtype`'s."""
+    float32, bfloat16 or int8 model's few-rows step up to `FEW_ROWS_MAXIMA` rows where its folder has one that fits
+    the model (loaded at the first such call, then kept), else `step_for_dtype`'s."""
     compiled = step_for_dtype(model)
     if compiled is None:
         return None

@@ -37,9 +37,12 @@ FOLDER = "kernels"
 LIBRARY = "int8_rows.so"
 MANIFEST = "manifest.json"
 SOURCE = Path(__file__).with_name("kernels") / "int8_rows.cpp"
-# Up to this many rows the kernel beats fbgemm's (one thread, AMD EPYC Zen 4, 6 rows: 10 against 22 us at 256 x 256,
-# 13 against 23 at 256 x 1,024, 74 against 91 at 256 x 8,000; at 13 rows 10-28 against 18-34; at 512 x 37,000
-# level from one row on: benchmarks/bench_int8_kernels.py --rows-kernel); from there on the layer's own kernels.
+# Up to this many rows the int8 layers take the kernel. It beats fbgemm's at every layer of the main job's model and
+# the base shape up to 8 rows (one thread, AMD EPYC Zen 4, fbgemm's time over the kernel's: 1.08-2.90x at 1 row,
+# 1.15-2.27x at 6, 1.09-2.02x at 8, 0.96-1.61x at 16, 0.92-1.26x at 32; `benchmarks/bench_int8_kernels.py
+# --rows-kernel`, docs/speed.md), and the int8 few-rows step, which calls it from its library without Python, serves
+# calls of up to 16 rows (compiled_decoding.FEW_ROWS_MAX_INT8): the eager int8 path takes it as far, so that the two
+# compute the same products.
 FEW_ROWS = 16
 # The instructions the library is compiled for (gcc's names) and the /proc/cpuinfo flags that say a CPU has them.
 COMPILE_FLAGS = ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni")

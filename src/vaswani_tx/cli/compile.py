@@ -1,5 +1,5 @@
 """Compile a saved model's decoding steps ahead of time (AOTInductor): MODEL/compiled, compiled-few, -int8, -bf16,
-compiled-few-bf16.
+compiled-few-bf16, compiled-few-int8, and the int8 few-rows kernel (MODEL/kernels).
 
 Once compiled, every later process that loads the folder (`from_pretrained`, `pipeline("translation")`,
 `vaswani-tx translate` and `evaluate`) decodes through it with no flag and no compilation wait, where it
@@ -11,7 +11,10 @@ decoder's weights packed for them (MODEL/compiled-few/weights.safetensors, the d
 these weights only (a model changed since decodes through MODEL/compiled). The bfloat16 model has one too
 (MODEL/compiled-few-bf16, up to 6 rows), where it has a bfloat16 step.
 The int8 model's step (MODEL/compiled-int8) serves `translate --int8` and `quantize_int8` the same way; its
-int8 products are the model's own layers, so its translations are the eager int8 path's to int8 rounding. On a
+int8 products are the model's own layers, so its translations are the eager int8 path's to int8 rounding. On a CPU
+with AVX512-VNNI, the int8 products of up to 16 rows are those of an int8 kernel built here with g++
+(MODEL/kernels, about 10 s; int8_rows.py), in both paths, and the int8 model's few-rows step
+(MODEL/compiled-few-int8) calls it from the library without Python: a sentence a call in int8 about 2x faster. On a
 CPU with bf16 instructions (where `--dtype auto` picks bfloat16) the bfloat16 model's step (MODEL/compiled-bf16)
 serves `--dtype auto` and `from_pretrained(MODEL, dtype=torch.bfloat16)`; Inductor keeps its fused elementwise
 work in float32 between bfloat16 tensors, so its translations differ from the eager bfloat16 path's at that rounding.
@@ -35,7 +38,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--no-int8",
         dest="int8",
         action="store_false",
-        help="do not compile the int8 model's step (MODEL/compiled-int8, for --int8) as well",
+        help="do not compile the int8 model's steps (MODEL/compiled-int8, compiled-few-int8 and the int8 kernel in "
+        "MODEL/kernels, for --int8) as well",
     )
     parser.add_argument(
         "--no-bf16",
