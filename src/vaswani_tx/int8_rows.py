@@ -104,17 +104,18 @@ def build(folder: str | os.PathLike) -> Path:
 
 
 def load(folder: str | os.PathLike) -> bool:
-    """Load `folder`/kernels' library into this process where it fits (this torch, this source, this CPU): whether
-    the kernel is there to use now. A folder with none says nothing; one that does not fit logs one line."""
+    """Whether a model from `folder` takes the kernel: its `kernels/` holds one that fits (this torch, this source,
+    this CPU), loaded into this process at the first such folder (one library a process: the same source). A folder
+    with none says nothing; one that does not fit logs one line."""
     global _loaded
     kernels = Path(folder) / FOLDER
     if not (kernels / MANIFEST).is_file():
-        return _loaded is not None
+        return False
     try:
         manifest = json.loads((kernels / MANIFEST).read_text(encoding="utf-8"))
     except (OSError, ValueError) as error:
         logger.warning("%s: not using the int8 few-rows kernel: its manifest is unreadable (%s)", kernels, error)
-        return _loaded is not None
+        return False
     here = _manifest()
     supported, why = cpu_supports()
     problem = (
@@ -138,7 +139,8 @@ def load(folder: str | os.PathLike) -> bool:
             problem = f"its library does not load ({str(error).strip().splitlines()[0][:200]})"
     if problem is not None:
         logger.warning("%s: not using the int8 few-rows kernel: %s; fbgemm's kernel instead", kernels, problem)
-    return _loaded is not None
+        return False
+    return True
 
 
 def loaded() -> bool:

@@ -119,7 +119,11 @@ class Int8Linear(DynamicQuantizedLinear):
     From `many_rows` rows up it calls the same kernel on `many_rows_params`, the same int8 weights packed
     for oneDNN (see the module docstring): the same weights and the same kind of activation scale, so the
     two agree to within the quantization's own error (an activation may round to the neighbouring int8
-    value), not bit for bit."""
+    value), not bit for bit.
+
+    Where the model's folder has the int8 few-rows kernel (int8_rows.py), products of up to
+    `int8_rows.FEW_ROWS` rows are the kernel's, on the same int8 weights: one activation scale a row, not one
+    a call, so those too agree with the others to within the quantization's own error."""
 
     _kernel = torch.ops.quantized.linear_dynamic.default
     # Where oneDNN overtakes fbgemm on one thread (bench_int8_kernels.py, docs/speed.md): at the base shape's layers
