@@ -29,6 +29,7 @@ from .compiled_decoding import (
     TABLE,
     architecture_fingerprint,
     gemm_backend,
+    has_rows_kernel,
     int8_layers,
     int8_operator,
     int8_signature,
@@ -194,7 +195,8 @@ def compile_decoder_steps(
             out = compile_decoder_step(quantized, folder)
             yield f"wrote the int8 model's compiled decoding step to {out} in {time.perf_counter() - start:.1f} s"
             if kernel is not None and int8_rows.load(folder):
-                use_rows_kernel(quantized)  # (a model loaded from another folder than this has none yet)
+                if not has_rows_kernel(quantized):  # a model loaded from another folder than this one
+                    use_rows_kernel(quantized)
                 start = time.perf_counter()
                 out = compile_decoder_step(quantized, folder, few_rows=True)
                 seconds = time.perf_counter() - start
@@ -243,7 +245,7 @@ def compile_decoder_step(model: nn.Module, folder: str | os.PathLike, few_rows: 
     # The int8 model's few-rows step: its products are calls of the int8 few-rows kernel on the layers' own buffers
     # (`rows_calls`), the rest compiled as the other int8 step's; it reads the model's tensors as that one does.
     rows_kernel = int8 and few_rows
-    if rows_kernel and not all("rows_packed" in module._buffers for _, module in int8_layers(model)):
+    if rows_kernel and not has_rows_kernel(model):
         raise UserInputError(
             "the int8 few-rows step needs the int8 few-rows kernel (int8_rows.py): build it into the folder and "
             "quantize the model again"

@@ -80,7 +80,7 @@ FEW_ROWS_MAX = 8
 # The bfloat16 step's from 7 rows on read the weights again as well (base model, the bfloat16 steps, 1 / 2 threads:
 # 1.40-1.68x / 1.46-1.66x at 1, 4 and 6 rows, 0.95-0.97x / 1.00-1.09x at 7 and 8).
 FEW_ROWS_MAX_BF16 = 6
-# The int8 few-rows kernel's calls beat fbgemm's up to 16 rows (int8_rows.FEW_ROWS).
+# The int8 few-rows kernel's calls without Python beat fbgemm's called through Python up to 16 rows (int8_rows.py).
 FEW_ROWS_MAX_INT8 = 16
 FEW_ROWS_MAXIMA = {"float32": FEW_ROWS_MAX, "bfloat16": FEW_ROWS_MAX_BF16, "int8": FEW_ROWS_MAX_INT8}
 # An int8 layer's buffers for that kernel: derived from its int8 weights (which no fingerprint covers: the int8
@@ -419,8 +419,8 @@ def load_compiled_step(model: nn.Module, folder: str | os.PathLike, few_rows: bo
         problem = _mismatch(manifest, model, here)
     except (ValueError, KeyError, TypeError, OSError) as error:
         problem = f"its manifest cannot be read ({error})"
-    if problem is None and manifest.get("rows_kernel") and not rows_kernel_loaded():
-        return None  # the kernel's folder said why it is not loaded (int8_rows.load), or has none
+    if problem is None and manifest.get("rows_kernel") and not has_rows_kernel(model):
+        return None  # the kernel's folder said why the model does not take it (int8_rows.load), or has none
     if problem is None:
         try:
             if manifest.get("precision") == "int8":
@@ -435,13 +435,11 @@ def load_compiled_step(model: nn.Module, folder: str | os.PathLike, few_rows: bo
     return None
 
 
-def rows_kernel_loaded() -> bool:
-    """Whether this process has the int8 few-rows kernel's operator (int8_rows.py loads it)."""
-    try:
-        torch.ops.vaswani_tx_int8.linear  # noqa: B018
-    except (AttributeError, RuntimeError):
-        return False
-    return True
+def has_rows_kernel(model: nn.Module) -> bool:
+    """Whether the model's int8 layers take the int8 few-rows kernel (`quantize_int8` gave them its buffers, which it
+    does where the model's folder has a kernel that loaded: int8_rows.py)."""
+    layers = int8_layers(model)
+    return bool(layers) and all(ROWS_BUFFERS[0] in module._buffers for _, module in layers)
 
 
 def _loader(package: str):

@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from .atomic import atomic_folder
+from .compiled_decoding import FEW_ROWS_MAX_INT8, ROWS_BUFFERS
 from .errors import UserInputError
 
 logger = logging.getLogger(__name__)
@@ -37,18 +38,17 @@ FOLDER = "kernels"
 LIBRARY = "int8_rows.so"
 MANIFEST = "manifest.json"
 SOURCE = Path(__file__).with_name("kernels") / "int8_rows.cpp"
-# Up to this many rows the int8 layers take the kernel. It beats fbgemm's at every layer of the main job's model and
-# the base shape up to 8 rows (one thread, AMD EPYC Zen 4, fbgemm's time over the kernel's: 1.08-2.90x at 1 row,
+# Up to this many rows the int8 layers take the kernel: as many as the int8 few-rows step serves, so that the eager
+# int8 path and that step compute the same products. It beats fbgemm's at every layer of the main job's model and the
+# base shape up to 8 rows (one thread, AMD EPYC Zen 4, fbgemm's time over the kernel's: 1.08-2.90x at 1 row,
 # 1.15-2.27x at 6, 1.09-2.02x at 8, 0.96-1.61x at 16, 0.92-1.26x at 32; `benchmarks/bench_int8_kernels.py
-# --rows-kernel`, docs/speed.md), and the int8 few-rows step, which calls it from its library without Python, serves
-# calls of up to 16 rows (compiled_decoding.FEW_ROWS_MAX_INT8): the eager int8 path takes it as far, so that the two
-# compute the same products.
-FEW_ROWS = 16
+# --rows-kernel`, docs/speed.md), and the step, which calls it from its library without Python, up to 16.
+FEW_ROWS = FEW_ROWS_MAX_INT8
 # The instructions the library is compiled for (gcc's names) and the /proc/cpuinfo flags that say a CPU has them.
 COMPILE_FLAGS = ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni")
 CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")
 
-_loaded: str | None = None  # the digest of the library loaded into this process (one per process: its operators)
+_library_loaded = False  # one library a process (it registers the operators), of the source `load` checks
 
 
 def source_digest() -> str:
@@ -107,7 +107,7 @@ def load(folder: str | os.PathLike) -> bool:
     """Whether a model from `folder` takes the kernel: its `kernels/` holds one that fits (this torch, this source,
     this CPU), loaded into this process at the first such folder (one library a process: the same source). A folder
     with none says nothing; one that does not fit logs one line."""
-    global _loaded
+    global _library_loaded
     kernels = Path(folder) / FOLDER
     if not (kernels / MANIFEST).is_file():
         return False
@@ -127,10 +127,10 @@ def load(folder: str | os.PathLike) -> bool:
         if not supported
         else None
     )
-    if problem is None and _loaded is None:
+    if problem is None and not _library_loaded:
         try:
             torch.ops.load_library(str(kernels / LIBRARY))
-            _loaded = here["source"]
+            _library_loaded = True
 
             @torch.library.register_fake("vaswani_tx_int8::linear")  # for torch.export (compile_step.py)
             def _(x, packed, scales, sums, bias, out_features):
@@ -141,15 +141,6 @@ def load(folder: str | os.PathLike) -> bool:
         logger.warning("%s: not using the int8 few-rows kernel: %s; fbgemm's kernel instead", kernels, problem)
         return False
     return True
-
-
-def loaded() -> bool:
-    """Whether this process has the kernel (`load`)."""
-    return _loaded is not None
-
-
-# The buffers `attach_weights` gives an int8 layer (not saved: derived from its int8 weights at each quantization).
-BUFFERS = ("rows_packed", "rows_scales", "rows_sums", "rows_bias")
 
 
 def attach_weights(module: torch.nn.Module) -> None:
@@ -166,20 +157,11 @@ def attach_weights(module: torch.nn.Module) -> None:
     ops = torch.ops.vaswani_tx_int8
     tensors = (ops.pack(values), weight.q_per_channel_scales().float().contiguous(), ops.shift_sums(values))
     tensors += (None if bias is None else bias.detach().float().contiguous(),)
-    for name, tensor in zip(BUFFERS, tensors):
+    for name, tensor in zip(ROWS_BUFFERS, tensors):
         module.register_buffer(name, tensor, persistent=False)
 
 
 def linear(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     """The int8 layer's product of `x` (..., K) by the kernel (its `attach_weights` buffers)."""
-    packed, scales, sums, bias = (module._buffers[name] for name in BUFFERS)
+    packed, scales, sums, bias = (module._buffers[name] for name in ROWS_BUFFERS)
     return torch.ops.vaswani_tx_int8.linear(x, packed, scales, sums, bias, module.out_features)
-
-
-def python_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """The kernel's arithmetic in torch (for tests): rows quantized symmetrically, products of the int8 values."""
-    scale = x.abs().amax(-1, keepdim=True) / 127
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-    rows = torch.round(x * (1 / scale)).clamp(-127, 127)
-    out = (rows.double() @ weight.int_repr().double().t()).float() * (scale * weight.q_per_channel_scales().float())
-    return out if bias is None else out + bias
