@@ -398,7 +398,7 @@ def test_the_int8_step_follows_the_models_int8_layers(compiled_folder, tmp_path,
 
 
 @pytest.mark.skipif(not int8_rows.cpu_supports()[0], reason="a CPU without AVX512-VNNI: no int8 few-rows kernel")
-def test_int8_calls_of_a_few_rows_decode_through_the_kernels_step(compiled_folder):
+def test_int8_calls_of_a_few_rows_decode_through_the_kernels_step(compiled_folder, monkeypatch):
     """`vaswani-tx compile` builds the int8 few-rows kernel (`kernels/`) and the int8 model's few-rows step
     (`compiled-few-int8`), whose products are the kernel's calls on the layers' buffers: a call of up to
     `FEW_ROWS_MAX_INT8` rows decodes through it (one source, greedy and beam 6; four sources, beam 4), with the eager
@@ -415,23 +415,20 @@ def test_int8_calls_of_a_few_rows_decode_through_the_kernels_step(compiled_folde
         kernel_steps.append(bool(self.manifest.get("rows_kernel")))
         return original(self, *args)
 
-    compiled_decoding.CompiledStep.__call__ = noting
-    try:
-        ids, mask = batch(seed=3, lengths=(7,))
-        for settings in (dict(num_beams=1), dict(num_beams=6)):
-            assert torch.equal(
-                model.generate(input_ids=ids, attention_mask=mask, **settings),
-                eager.generate(input_ids=ids, attention_mask=mask, **settings),
-            )
-        for kwargs in ending_calls(EndsAtPerSource, dict(num_beams=4)):  # 4 sources x 4 beams: 16 rows
-            assert torch.equal(model.generate(**kwargs), eager.generate(**kwargs))
-        assert kernel_steps and all(kernel_steps)
-        kernel_steps.clear()
-        ids, mask = batch(seed=3, lengths=(7, 4, 6, 2, 5))
-        model.generate(input_ids=ids, attention_mask=mask, num_beams=4)  # 20 rows
-        assert kernel_steps and not any(kernel_steps)
-    finally:
-        compiled_decoding.CompiledStep.__call__ = original
+    monkeypatch.setattr(compiled_decoding.CompiledStep, "__call__", noting)
+    ids, mask = batch(seed=3, lengths=(7,))
+    for settings in (dict(num_beams=1), dict(num_beams=6)):
+        assert torch.equal(
+            model.generate(input_ids=ids, attention_mask=mask, **settings),
+            eager.generate(input_ids=ids, attention_mask=mask, **settings),
+        )
+    for kwargs in ending_calls(EndsAtPerSource, dict(num_beams=4)):  # 4 sources x 4 beams: 16 rows
+        assert torch.equal(model.generate(**kwargs), eager.generate(**kwargs))
+    assert kernel_steps and all(kernel_steps)
+    kernel_steps.clear()
+    ids, mask = batch(seed=3, lengths=(7, 4, 6, 2, 5))
+    model.generate(input_ids=ids, attention_mask=mask, num_beams=4)  # 20 rows
+    assert kernel_steps and not any(kernel_steps)
     fingerprint = compiled_decoding.weights_fingerprint(eager)
     for _, module in compiled_decoding.int8_layers(eager):
         for name in compiled_decoding.ROWS_BUFFERS:
