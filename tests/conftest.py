@@ -15,6 +15,16 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 SHARED_DATA = Path(os.environ.get("VASWANI_SHARED_DATA", REPO_ROOT.parent / "shared" / "data"))
 
 
+@pytest.fixture(scope="session", autouse=True)
+def library_cache(tmp_path_factory):
+    """The C++ libraries tests build (`vaswani-tx compile`'s, native.py) are kept for this session, not in the
+    user's cache: each is built once a run, and the next test that builds it copies it."""
+    patch = pytest.MonkeyPatch()
+    patch.setenv("VASWANI_TX_CACHE", str(tmp_path_factory.mktemp("libraries")))
+    yield
+    patch.undo()
+
+
 @pytest.fixture(scope="session")
 def shared_data() -> Path:
     if not SHARED_DATA.is_dir():

@@ -10,8 +10,12 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
+import subprocess
+import sys
 import zipfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,7 +23,7 @@ from transformers import LogitsProcessorList
 
 from test_fast_decoding import EndsAt, EndsAtPerSource, ends, eos_prone_model
 from test_modeling import batch
-from vaswani_tx import compiled_decoding, fast_decoding, int8_rows
+from vaswani_tx import compiled_decoding, fast_decoding, int8_rows, one_source_beams
 from vaswani_tx.cli import main
 from vaswani_tx.compile_step import compile_decoder_step
 from vaswani_tx.compiled_decoding import FOLDER, MANIFEST, PACKAGE
@@ -90,6 +94,35 @@ def test_the_compiled_step_gives_the_eager_and_transformers_ids(compiled_folder,
         assert torch.equal(compiled, model.generate(fast_decoding=False, **kwargs))
         assert "min_new_tokens" in settings or len(set(ends(compiled))) > 1  # sources left the batch at several steps
     assert steps  # the library decoded (the eager twin and transformers checked it)
+
+
+def test_compile_builds_the_beam_search_library_and_from_pretrained_loads_it(compiled_folder):
+    """`vaswani-tx compile` builds one_source_beams.py's library into the folder; a model loaded from the folder in a
+    fresh process loads it, and a sentence a call decodes through it (`native_search`) to the Python loop's ids."""
+    assert (compiled_folder / one_source_beams.FOLDER / one_source_beams.LIBRARY).is_file()
+    code = """if True:
+        import sys, torch
+        from test_modeling import batch
+        from vaswani_tx import fast_decoding
+        from vaswani_tx.modeling_vaswani import VaswaniForConditionalGeneration
+        model = VaswaniForConditionalGeneration.from_pretrained(sys.argv[1])
+        library = fast_decoding.beams_library()
+        assert library is not None
+        ids, mask = batch(seed=2, lengths=(7,))
+        taken = []
+        native = fast_decoding.native_search
+        fast_decoding.native_search = lambda *a: taken.append(1) or native(*a)
+        ours = model.generate(input_ids=ids, attention_mask=mask, num_beams=4)
+        del sys.modules[fast_decoding.BEAMS_MODULE]
+        assert taken and torch.equal(ours, model.generate(input_ids=ids, attention_mask=mask, num_beams=4))
+        print("ok")
+    """
+    tests = str(Path(__file__).parent)
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(compiled_folder)], capture_output=True, text=True, timeout=300,
+        env={**os.environ, "PYTHONPATH": tests},
+    )  # fmt: skip
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
 
 
 def test_what_the_step_does_not_cover_decodes_eagerly(compiled_folder, steps):

@@ -741,7 +741,9 @@ def test_beam_search_over_a_vocabulary_large_enough_for_the_block_top_k(loops):
 
 @pytest.fixture
 def one_source(monkeypatch):
-    """How many calls beam search handed to `one_source_search` (one source: its bookkeeping in Python)."""
+    """How many calls beam search handed to `one_source_search` (one source: its bookkeeping in Python; the C++
+    library's, test_one_source_beams.py, is set aside where an earlier test loaded it)."""
+    monkeypatch.delitem(sys.modules, fast_decoding.BEAMS_MODULE, raising=False)
     calls = []
     original = fast_decoding.one_source_search
 
@@ -753,32 +755,25 @@ def one_source(monkeypatch):
     return calls
 
 
-@pytest.mark.parametrize(
-    "settings",
-    [
-        dict(num_beams=4),  # the paper's: GNMT length penalty 0.6, source length + 50 (SourceLengthCap), early stop
-        dict(
-            num_beams=3,
-            num_return_sequences=3,
-            length_penalty=1.3,
-            length_penalty_type="hf",
-            max_output_length_offset=6,
-        ),
-        dict(num_beams=4, early_stopping=False, max_output_length_offset=4),
-        dict(
-            num_beams=3,
-            early_stopping="never",
-            length_penalty=1.0,
-            length_penalty_type="hf",
-            max_output_length_offset=6,
-        ),
-        dict(num_beams=5, length_penalty=-1.0, length_penalty_type="hf", max_output_length_offset=6),
-        dict(num_beams=4, min_new_tokens=9, max_new_tokens=9),
-        dict(num_beams=2, no_repeat_ngram_size=2, repetition_penalty=1.5),  # processors that read the beams' ids
-        dict(num_beams=3, decoder_input_ids=torch.tensor([[2, 7, 9]]), max_output_length_offset=8),  # a prefix
-    ],
-    ids=["paper", "returns-3", "no-early-stop", "never", "negative-penalty", "min-max", "processors", "prefix"],
-)
+# One source a call, each of transformers' early-stopping rules, length penalties, returned sequences, and processors
+# that read only the rows' shape (the length cap) or the beams' ids (test_one_source_beams.py takes them too).
+ONE_SOURCE_SETTINGS = {
+    "paper": dict(num_beams=4),  # GNMT length penalty 0.6, source length + 50 (SourceLengthCap), early stopping
+    "returns-3": dict(
+        num_beams=3, num_return_sequences=3, length_penalty=1.3, length_penalty_type="hf", max_output_length_offset=6
+    ),
+    "no-early-stop": dict(num_beams=4, early_stopping=False, max_output_length_offset=4),
+    "never": dict(
+        num_beams=3, early_stopping="never", length_penalty=1.0, length_penalty_type="hf", max_output_length_offset=6
+    ),
+    "negative-penalty": dict(num_beams=5, length_penalty=-1.0, length_penalty_type="hf", max_output_length_offset=6),
+    "min-max": dict(num_beams=4, min_new_tokens=9, max_new_tokens=9),
+    "processors": dict(num_beams=2, no_repeat_ngram_size=2, repetition_penalty=1.5),  # processors that read ids
+    "prefix": dict(num_beams=3, decoder_input_ids=torch.tensor([[2, 7, 9]]), max_output_length_offset=8),
+}
+
+
+@pytest.mark.parametrize("settings", ONE_SOURCE_SETTINGS.values(), ids=ONE_SOURCE_SETTINGS.keys())
 def test_one_sources_beam_search_keeps_its_books_in_python_and_gives_transformers_ids(settings, one_source):
     """A sentence a call (a service's load, the pipeline given a string): beam search's bookkeeping over the 2k
     candidates runs in Python (`one_source_search`), with transformers' float32 scores and choices. The same ids for

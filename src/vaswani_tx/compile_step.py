@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from . import int8_rows
+from . import int8_rows, one_source_beams
 from .atomic import atomic_folder
 from .compiled_decoding import (
     FEW_ROWS_FOLDERS,
@@ -177,6 +177,14 @@ def compile_decoder_steps(
         start = time.perf_counter()
         out = compile_decoder_step(model, folder, few_rows=True)
         yield f"wrote the few-rows decoding step to {out} in {time.perf_counter() - start:.1f} s"
+    start = time.perf_counter()
+    try:  # beam search's bookkeeping at a sentence a call, for every precision (one_source_beams.py)
+        out = one_source_beams.build(folder)
+    except UserInputError as error:
+        yield f"{error}: beam search over one source keeps its Python loop"
+    else:
+        yield f"wrote the beam-search library to {out} in {time.perf_counter() - start:.1f} s"
+        one_source_beams.load(folder)
     if int8:
         start = time.perf_counter()
         kernel = None

@@ -257,6 +257,9 @@ class CompiledStep:
         self.own: dict | None = None
         self.released = False  # the model's plain pages of the tensors it copies, given back (fast_decoding.py)
         self.refused: tuple | None = None  # a copy's tensors found to be other weights than its own (`usable`)
+        # (the model's `TensorPlaces`, `_versions`) when `usable` last said yes: while both are the same, so is its
+        # answer (the walk over every tensor's name, shape and dtype and the int8 layers costs some 0.4 ms a call)
+        self.checked: tuple | None = None
         self.dtype = PRECISIONS[manifest.get("precision", "float32")][1]  # of the tensors it reads and gives
         if model is not None:
             self.bind(model)
@@ -265,7 +268,7 @@ class CompiledStep:
         """Copied (`copy.deepcopy` of the model) or pickled (`torch.save` of the whole model, a process spawned with
         it): the loaded library itself cannot be, so the copy loads its own from the same package and binds it to
         its own tensors at its first call (`usable`); where the package is gone by then, it decodes eagerly."""
-        state = dict(self.__dict__, runner=None, own=None, embedding=None, released=False, refused=None)
+        state = dict(self.__dict__, runner=None, own=None, embedding=None, released=False, refused=None, checked=None)
         state["bound"] = tuple(
             (name, shape, None, dtype, device) for name, shape, _, dtype, device in self.bound or ()
         ) if self.few_rows is None else None  # fmt: skip
@@ -274,6 +277,7 @@ class CompiledStep:
     def __setstate__(self, state: dict) -> None:
         # pickled before int8, bf16 and few-rows steps
         before = {"int8": None, "dtype": torch.float32, "few_rows": None, "released": False, "refused": None}
+        before["checked"] = None
         self.__dict__.update({**before, "embedding": None, "own": None, **state})
         try:
             self.runner = _loader(self.package)
@@ -319,10 +323,15 @@ class CompiledStep:
                     return False
                 self.bind(model)
             return versions == self.bound
+        versions = _versions(model)
+        places = model.__dict__["_tensor_places"]  # the modules and tensors as `_versions` found them
+        if self.checked is not None and self.checked[0] is places and self.checked[1] == versions:
+            return True
         identity = _identity(model)
         layers = None if self.int8 is None else int8_layers(model)
         same_layers = layers is None or [module for _, module in layers] == self.int8
         if identity == self.bound and same_layers:
+            self.checked = (places, versions)
             return True
         if any(
             (dtype != self.dtype and name.rpartition(".")[2] not in ROWS_BUFFERS) or device != "cpu"
@@ -334,6 +343,7 @@ class CompiledStep:
         if layers is not None and int8_signature(model) != self.manifest["int8_layers"]:
             return False
         self.bind(model)
+        self.checked = (places, versions)
         return True
 
     def __call__(self, tokens, self_keys, self_values, cross_keys, cross_values, sources, source_mask) -> torch.Tensor:
@@ -485,6 +495,12 @@ def attach(model: nn.Module, folder: str | os.PathLike) -> None:
     model._compiled_folder = str(folder) if found else None
     model._compiled_steps = {precision(model): model._compiled_step}  # the steps loaded so far, by precision
     model._compiled_for = next(model.parameters()).dtype
+    if found:  # beam search's bookkeeping in C++, where `vaswani-tx compile` built it (the package's, not remote code)
+        try:
+            from vaswani_tx import one_source_beams
+        except ImportError:
+            return
+        one_source_beams.load(folder)
 
 
 def step_for_dtype(model: nn.Module) -> CompiledStep | None:

@@ -804,7 +804,10 @@ def open_session(
     """The compiled step's session where the model has one that applies to this call (compiled_decoding.py),
     else the eager one; both give the same logits to float32 rounding. `pack`: see `Projection.of`."""
     compiled = session_applies(model, input_ids, max_length, model_kwargs)
-    if compiled is None or (compiled.few_rows is None and packs_beat_compiled(model, input_ids.shape[0])):
+    # (an int8 model has no float32 layers to pack)
+    if compiled is None or (
+        compiled.few_rows is None and compiled.int8 is None and packs_beat_compiled(model, input_ids.shape[0])
+    ):
         return DecodingSession(model, model_kwargs, rows_per_source, pack)
     projection = Projection.of(model, model_kwargs["encoder_outputs"][0].shape[0], pack)
     return CompiledSession(model, compiled, model_kwargs, rows_per_source, projection)
@@ -869,6 +872,12 @@ class PositionSlots:
         its threads (along the rows' dimension it does not: 2.3x slower on 2 threads). It goes into the spare (the
         buffer before last) where that has room, as `_within` says."""
         if self.keys is None:
+            return
+        library = beams_library()
+        if library is not None:  # the same, in C++ (one_source_beams.py)
+            self.keys, self.values, *self.spare = library.select_slots(
+                self.keys, self.values, *self.spare, self.length, rows
+            )
             return
         layers, capacity, old_rows = self.keys.shape[:3]
         end = self.length
@@ -1293,9 +1302,8 @@ def beam_search(model, input_ids, logits_processor, stopping_criteria, generatio
     beams_to_keep = max(2, 1 + n_eos_tokens) * num_beams
     if one_source_applies(batch_size, stopping_criteria):
         session = open_session(model, model_kwargs, input_ids, max_length, rows_per_source=num_beams)
-        return one_source_search(
-            session, input_ids, logits_processor, stopping_criteria, generation_config, beams_to_keep
-        )
+        search = native_search if beams_library() is not None else one_source_search
+        return search(session, input_ids, logits_processor, stopping_criteria, generation_config, beams_to_keep)
     top_num_beam_mask = torch.cat(
         (torch.ones(num_beams, dtype=torch.bool), torch.zeros(beams_to_keep - num_beams, dtype=torch.bool))
     ).to(device)
@@ -1579,3 +1587,53 @@ def one_source_search(session, input_ids, logits_processor, stopping_criteria, g
     returned = kept[: generation_config.num_return_sequences]
     length = max(len(entry.ids) for entry in returned)
     return torch.tensor([entry.ids + [fill] * (length - len(entry.ids)) for entry in returned], device=device)
+
+
+def native_search(session, input_ids, logits_processor, stopping_criteria, generation_config, k2: int):
+    """`one_source_search` with its bookkeeping in C++ (one_source_beams.py's library): one call a step gives the
+    next tokens and the beams' reordering, by the same choices. Here stay the decoder's step and the processors."""
+    early_stopping = generation_config.early_stopping
+    length_penalty = generation_config.length_penalty
+    num_beams = generation_config.num_beams
+    max_length = min((c.max_length for c in stopping_criteria if type(c) is MaxLengthCriteria), default=None)
+    ends = sorted(
+        {int(t) for c in stopping_criteria if type(c) is EosTokenCriteria for t in c.eos_token_id.reshape(-1)}
+    )
+    device = input_ids.device
+    prompt_len = input_ids.shape[1]
+    # n ** length_penalty for n output tokens (the length penalty may be a float subclass with its own power:
+    # GNMTLengthPenalty), as the Python loop computes it; n = 0 is never divided by
+    longest = generation_config.max_length - prompt_len + 1
+    penalties = [0.0] + [float(n**length_penalty) for n in range(1, longest + 1)]
+    best_length = longest - 1 if early_stopping == "never" and length_penalty > 0.0 else -1
+    beams = beams_library().OneSourceBeams(
+        input_ids[0].tolist(), num_beams, k2, penalties, early_stopping is True, best_length,
+        -1 if max_length is None else max_length, ends, BLOCK, BLOCK_TOP_K_MIN,
+    )  # fmt: skip
+    needs_ids = not all(reads_shape_only(p) for p in logits_processor)
+    shape_only = torch.empty((num_beams, generation_config.max_length), dtype=torch.long, device=device)
+    columns, tokens, first = {}, input_ids, True
+    while True:
+        if first:
+            log_probs, first = first_step(session, tokens, num_beams, log_softmax=True), False
+        else:
+            log_probs = session.step(tokens, log_softmax=True)
+        if len(logits_processor):
+            ids = beams.running_ids() if needs_ids else shape_only[:, : beams.cur_len]
+            log_probs = process(logits_processor, ids, log_probs, columns)
+        done, reorder, tokens = beams.advance(log_probs.contiguous())
+        if done:
+            return beams.result(generation_config.num_return_sequences, output_fill(generation_config)).to(device)
+        if reorder is not None:
+            session.reorder(reorder.to(device))
+        tokens = tokens.to(device)
+
+
+# The module of the C++ library of `native_search` and `PositionSlots.select_rows` (one_source_beams.py loads it
+# under this name into sys.modules, where this file finds it also as a saved folder's copy).
+BEAMS_MODULE = "vaswani_tx_beams"
+
+
+def beams_library():
+    """The beam-search library's module where one is loaded in this process, else None."""
+    return sys.modules.get(BEAMS_MODULE)

@@ -17,20 +17,19 @@ torch, a CPU without AVX512-VNNI, no compiler when compiling) the layers keep fb
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
 import platform
-import shutil
-import subprocess
 from pathlib import Path
 
 import torch
 
+from . import native
 from .atomic import atomic_folder
 from .compiled_decoding import FEW_ROWS_MAX_INT8, ROWS_BUFFERS
 from .errors import UserInputError
+from .native import compile_library
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +52,7 @@ _library_loaded = False  # one library a process (it registers the operators), o
 
 def source_digest() -> str:
     """sha256 of the kernel's source: a library is used only with the source it was built from."""
-    return hashlib.sha256(SOURCE.read_bytes()).hexdigest()
+    return native.source_digest(SOURCE)
 
 
 def cpu_supports() -> tuple[bool, str]:
@@ -83,23 +82,10 @@ def build(folder: str | os.PathLike) -> Path:
     supported, why = cpu_supports()
     if not supported:
         raise UserInputError(f"no int8 few-rows kernel: {why}")
-    from torch.utils import cpp_extension
-
-    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
-    if compiler is None:
-        raise UserInputError("no int8 few-rows kernel: it needs a C++ compiler (g++), and none was found")
-    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
     with atomic_folder(Path(folder) / FOLDER) as out:
-        command = [
-            compiler, "-O3", "-std=c++20", "-shared", "-fPIC", *COMPILE_FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
-            *(f"-I{path}" for path in cpp_extension.include_paths()), str(SOURCE), "-o", str(out / LIBRARY),
-            *(f"-L{path}" for path in cpp_extension.library_paths()), "-lc10", "-ltorch_cpu", "-ltorch",
-        ]  # fmt: skip
-        done = subprocess.run(command, capture_output=True, text=True)
-        if done.returncode != 0:
-            lines = [line for line in done.stderr.splitlines() if "error" in line] or done.stderr.splitlines()[-1:]
-            raise UserInputError(f"no int8 few-rows kernel: {compiler} failed ({(lines or ['?'])[0][:300]})")
-        (out / MANIFEST).write_text(json.dumps(_manifest(), indent=1) + "\n", encoding="utf-8")
+        compile_library(SOURCE, out / LIBRARY, "int8 few-rows kernel", COMPILE_FLAGS)
+        manifest = {**_manifest(), "library": native.library_digest(out / LIBRARY)}
+        (out / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n", encoding="utf-8")
     return Path(folder) / FOLDER
 
 
@@ -129,6 +115,9 @@ def load(folder: str | os.PathLike) -> bool:
     )
     if problem is None and not _library_loaded:
         try:
+            # (a manifest written before it kept the library's digest is taken at its word)
+            if manifest.get("library", None) not in (None, native.library_digest(kernels / LIBRARY)):
+                raise OSError("it is not the one built: truncated or changed since")
             torch.ops.load_library(str(kernels / LIBRARY))
             _library_loaded = True
 

@@ -1,0 +1,281 @@
+// Beam search's bookkeeping for one source (a sentence a call), a step at a time: fast_decoding.py's
+// `one_source_search` without the Python.
+//
+// Why: at a sentence a call the decoder's step is a fraction of a millisecond, and the Python around it (the 2k
+// best continuations, the kept hypotheses, the length penalty, the early-stop test, the next tokens) took about as
+// long again: some 40 small tensor operations and a few hundred float32 roundings a step, each a Python call. Here
+// one call a step does all of it. The choices are the Python loop's, operation for operation: the same ATen
+// operations pick the 2k continuations (`largest`), the same torch.topk orders the candidates and the kept
+// hypotheses (so exact ties go the same way), and every sum and quotient is rounded to float32 where the Python
+// loop rounds it (which is where transformers' float32 tensors do).
+#include <ATen/ATen.h>
+#include <torch/csrc/utils/pybind.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+namespace {
+
+struct Entry {
+  float score;
+  std::vector<int64_t> ids;
+  bool finished = false;
+};
+
+float lowered(float score) { return static_cast<float>(static_cast<double>(score) - 1e9); }
+
+// The positions of the k largest scores, in torch.topk's order (ties included).
+std::vector<int64_t> top(const std::vector<float>& scores, int64_t k) {
+  auto values = at::from_blob(const_cast<float*>(scores.data()), {1, static_cast<int64_t>(scores.size())},
+                                 at::kFloat);
+  auto indices = std::get<1>(at::topk(values, k)).contiguous();
+  const int64_t* data = indices.data_ptr<int64_t>();
+  return std::vector<int64_t>(data, data + k);
+}
+
+class OneSourceBeams {
+ public:
+  // prompt: the decoder's prefix; penalties[n]: n ** length_penalty (n output tokens), rounded to float32 here;
+  // early_stopping: whether it is True (not False or "never"); best_length: the length the early-stop test divides
+  // the best running score by, -1 for the current one (transformers takes the longest with "never" and a positive
+  // penalty); max_length: the stopping criteria's (-1: none); ends: the end-of-sentence ids; block,
+  // block_top_k_min: fast_decoding.py's BLOCK and BLOCK_TOP_K_MIN.
+  OneSourceBeams(std::vector<int64_t> prompt, int64_t num_beams, int64_t k2, std::vector<double> penalties,
+                 bool early_stopping, int64_t best_length, int64_t max_length, std::vector<int64_t> ends,
+                 int64_t block, int64_t block_top_k_min)
+      : num_beams_(num_beams), k2_(k2), early_stopping_(early_stopping), best_length_(best_length),
+        max_length_(max_length), ends_(std::move(ends)), block_(block),
+        block_top_k_min_(block_top_k_min), prompt_len_(static_cast<int64_t>(prompt.size())),
+        cur_len_(prompt_len_) {
+    TORCH_CHECK(num_beams >= 1 && k2 >= num_beams, "one_source_beams: need 1 <= num_beams <= k2");
+    for (double p : penalties) penalties_.push_back(static_cast<float>(p));
+    for (int64_t beam = 0; beam < num_beams; ++beam) {
+      running_.push_back({beam == 0 ? 0.0f : -1e9f, prompt, false});
+      kept_.push_back({-1e9f, prompt, false});
+    }
+  }
+
+  int64_t cur_len() const { return cur_len_; }
+
+  // The running beams' ids (k, cur_len), for processors that read them.
+  at::Tensor running_ids() const {
+    auto out = at::empty({num_beams_, cur_len_}, at::kLong);
+    int64_t* data = out.data_ptr<int64_t>();
+    for (int64_t beam = 0; beam < num_beams_; ++beam) {
+      std::copy(running_[beam].ids.begin(), running_[beam].ids.end(), data + beam * cur_len_);
+    }
+    return out;
+  }
+
+  // One step from the running beams' log-probabilities (k, V) (the processors' output): returns (done, the beam
+  // each new running beam continues, None where they are 0 .. k - 1 in order, the next tokens (k, 1)).
+  std::tuple<bool, std::optional<at::Tensor>, at::Tensor> advance(const at::Tensor& log_probs) {
+    TORCH_CHECK(log_probs.dim() == 2 && log_probs.size(0) == num_beams_ && log_probs.is_contiguous(),
+                "one_source_beams: log-probabilities must be (num_beams, V), contiguous");
+    const int64_t width = log_probs.size(1);
+    std::vector<float> shift_values;
+    for (const auto& entry : running_) shift_values.push_back(entry.score);
+    auto shift = at::tensor(shift_values, at::kFloat);
+    auto [values, indices] = largest(log_probs, shift);
+    const bool at_length = max_length_ >= 0 && cur_len_ + 1 >= max_length_;
+
+    struct Candidate {
+      float value;
+      std::vector<int64_t> ids;
+      int64_t beam;
+      bool ended;
+      float running_score;  // an ended one's is 1e9 lower
+    };
+    std::vector<Candidate> candidates;
+    candidates.reserve(values.size());
+    bool all_ended = true;
+    for (size_t j = 0; j < values.size(); ++j) {
+      const int64_t beam = indices[j] / width, token = indices[j] % width;
+      const bool ended = at_length || std::find(ends_.begin(), ends_.end(), token) != ends_.end();
+      std::vector<int64_t> ids = running_[beam].ids;
+      ids.push_back(token);
+      candidates.push_back({values[j], std::move(ids), beam, ended, ended ? lowered(values[j]) : values[j]});
+      all_ended = all_ended && ended;
+    }
+    // The k best continuations go on as running beams (transformers' `_get_running_beams_for_next_iteration`)
+    std::vector<float> running_scores;
+    for (const auto& candidate : candidates) running_scores.push_back(candidate.running_score);
+    const auto order = top(running_scores, num_beams_);
+    // Those among the first k that ended compete with the kept hypotheses, their scores divided by the length
+    // penalty; the others (and all of them once the kept ones are full or nothing can improve) are 1e9 lower
+    const float penalty = penalty_of(cur_len_ + 1 - prompt_len_);
+    bool all_kept = std::all_of(kept_.begin(), kept_.end(), [](const Entry& e) { return e.finished; });
+    const bool full = all_kept && early_stopping_;
+    std::vector<Entry> merged = kept_;
+    for (size_t j = 0; j < candidates.size(); ++j) {
+      const bool ended = candidates[j].ended && static_cast<int64_t>(j) < num_beams_;
+      float score = candidates[j].value / penalty;
+      for (bool lower : {full, !improvable_, !ended}) {
+        if (lower) score = lowered(score);
+      }
+      merged.push_back({score, candidates[j].ids, ended});
+    }
+    std::vector<float> merged_scores;
+    for (const auto& entry : merged) merged_scores.push_back(entry.score);
+    std::vector<Entry> kept;
+    for (int64_t i : top(merged_scores, num_beams_)) kept.push_back(std::move(merged[i]));
+    kept_ = std::move(kept);
+    std::vector<Entry> running;
+    std::vector<int64_t> beams;
+    bool in_order = true;
+    for (int64_t j : order) {
+      running.push_back({candidates[j].running_score, std::move(candidates[j].ids), false});
+      in_order = in_order && candidates[j].beam == static_cast<int64_t>(beams.size());
+      beams.push_back(candidates[j].beam);
+    }
+    running_ = std::move(running);
+    cur_len_ += 1;
+    // transformers' `_check_early_stop_heuristic`: can the best running beam still beat the worst kept one?
+    const float best_possible = running_[0].score / penalty_of(best_length_ >= 0 ? best_length_ : cur_len_ - prompt_len_);
+    float worst = kept_[0].score;
+    for (const auto& entry : kept_) worst = std::min(worst, entry.score);
+    bool any = false;
+    for (const auto& entry : kept_) any = any || best_possible > (entry.finished ? worst : -1e9f);
+    improvable_ = improvable_ && any;
+    all_kept = std::all_of(kept_.begin(), kept_.end(), [](const Entry& e) { return e.finished; });
+    auto tokens = at::empty({num_beams_, 1}, at::kLong);
+    for (int64_t beam = 0; beam < num_beams_; ++beam) tokens.data_ptr<int64_t>()[beam] = running_[beam].ids.back();
+    const bool done = !improvable_ || (all_kept && early_stopping_) || all_ended;
+    std::optional<at::Tensor> reorder;
+    if (!done && !in_order) reorder = at::tensor(beams, at::kLong);
+    return {done, reorder, tokens};
+  }
+
+  // The first `count` kept hypotheses (num_return_sequences), padded with `fill` to the longest.
+  at::Tensor result(int64_t count, int64_t fill) const {
+    size_t length = 0;
+    for (int64_t i = 0; i < count; ++i) length = std::max(length, kept_[i].ids.size());
+    auto out = at::full({count, static_cast<int64_t>(length)}, fill, at::kLong);
+    for (int64_t i = 0; i < count; ++i) {
+      std::copy(kept_[i].ids.begin(), kept_[i].ids.end(), out.data_ptr<int64_t>() + i * length);
+    }
+    return out;
+  }
+
+ private:
+  float penalty_of(int64_t n) const {
+    TORCH_CHECK(n >= 0 && n < static_cast<int64_t>(penalties_.size()), "one_source_beams: no length penalty for ", n,
+                " tokens");
+    return penalties_[n];
+  }
+
+  // fast_decoding.py's `one_source_largest`: the k2 largest of scores (m, V) + shift[:, None], by the same ATen
+  // operations (the blocks of `block` columns with the largest maxima where V is whole blocks, else `largest`).
+  std::pair<std::vector<float>, std::vector<int64_t>> largest(const at::Tensor& scores, const at::Tensor& shift) {
+    const int64_t m = scores.size(0), width = scores.size(1), blocks = width / block_;
+    if (blocks * block_ != width || m * width < block_top_k_min_ || m * blocks < k2_) {
+      auto [values, indices] = largest_any(scores, shift);
+      return {as_vector<float>(values.to(at::kFloat)), as_vector<int64_t>(indices)};
+    }
+    auto maxima = scores.reshape({m, blocks, block_}).amax(-1);
+    maxima += shift.unsqueeze(1);
+    auto chosen = std::get<1>(at::topk(maxima.view({1, m * blocks}), k2_))[0];
+    auto values = scores.view({m * blocks, block_}).index_select(0, chosen);
+    values.add_(shift.index_select(0, chosen.div(blocks, "floor")).unsqueeze(1));
+    auto [best, picked] = at::topk(values.view({-1}), k2_);
+    const auto chosen_ = as_vector<int64_t>(chosen), picked_ = as_vector<int64_t>(picked);
+    std::vector<int64_t> indices;
+    for (int64_t i : picked_) indices.push_back(chosen_[i / block_] * block_ + i % block_);
+    return {as_vector<float>(best.to(at::kFloat)), indices};
+  }
+
+  // fast_decoding.py's `largest` for one source (scores (1, m, V), shift (1, m)).
+  std::pair<at::Tensor, at::Tensor> largest_any(const at::Tensor& scores_, const at::Tensor& shift_) {
+    auto scores = scores_.unsqueeze(0), shift = shift_.unsqueeze(0);
+    const int64_t m = scores.size(1), width = scores.size(2), blocks = width / block_;
+    if (m * width < block_top_k_min_ || m * blocks < k2_) {
+      auto flat = scores + shift.unsqueeze(2);
+      auto [values, indices] = at::topk(flat.reshape({1, m * width}), k2_);
+      return {values[0], indices[0]};
+    }
+    auto maxima = scores.slice(2, 0, blocks * block_).reshape({1, m, blocks, block_}).amax(-1);
+    maxima += shift.unsqueeze(2);
+    auto chosen = std::get<1>(at::topk(maxima.view({1, m * blocks}), k2_));
+    auto beam = chosen.div(blocks, "floor");
+    auto starts = beam * width + (chosen - beam * blocks) * block_;
+    auto candidates = (starts.unsqueeze(2) + at::arange(block_, scores.options().dtype(at::kLong))).view({1, -1});
+    auto flat = scores.view({1, m * width});
+    auto values = flat.gather(1, candidates);
+    values.view({1, k2_, block_}).add_(shift.gather(1, beam).unsqueeze(2));
+    if (blocks * block_ < width) {
+      auto longs = scores.options().dtype(at::kLong);
+      auto columns = at::arange(blocks * block_, width, longs);
+      auto tail = (columns + width * at::arange(m, longs).unsqueeze(1)).view({-1});
+      auto tail_values = flat.index({at::indexing::Slice(), tail});
+      tail_values += shift.repeat_interleave(width - blocks * block_, 1);
+      candidates = at::cat({candidates, tail.expand({1, -1})}, 1);
+      values = at::cat({values, tail_values}, 1);
+    }
+    auto [best, picked] = at::topk(values, k2_);
+    return {best[0], candidates.gather(1, picked)[0]};
+  }
+
+  template <typename T>
+  static std::vector<T> as_vector(const at::Tensor& tensor) {
+    auto contiguous = tensor.contiguous();
+    const T* data = contiguous.data_ptr<T>();
+    return std::vector<T>(data, data + contiguous.numel());
+  }
+
+  int64_t num_beams_, k2_;
+  bool early_stopping_;
+  int64_t best_length_, max_length_;
+  std::vector<int64_t> ends_;
+  int64_t block_, block_top_k_min_, prompt_len_, cur_len_;
+  std::vector<float> penalties_;
+  bool improvable_ = true;  // transformers' `is_early_stop_heuristic_unsatisfied`
+  std::vector<Entry> running_, kept_;
+};
+
+// fast_decoding.py's `PositionSlots.select_rows` (the reason for each choice is there): keys and values (layers,
+// capacity, rows, h, d) keep (and are reordered to) `rows`, their `length` written positions plus the next step's
+// slot copied, by one index_select each into the spare where it has room. Returns the new keys and values and the
+// new spares (the old buffers' whole allocations).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> select_slots(
+    const at::Tensor& keys, const at::Tensor& values, const std::optional<at::Tensor>& spare_keys,
+    const std::optional<at::Tensor>& spare_values, int64_t length, const at::Tensor& rows) {
+  const int64_t layers = keys.size(0), capacity = keys.size(1), old_rows = keys.size(2);
+  const auto longs = rows.options();
+  auto positions = at::arange(length + 1, longs).clamp_max_(std::max<int64_t>(length - 1, 0));
+  auto starts = (at::arange(layers, longs).unsqueeze(1) * capacity + positions) * old_rows;
+  auto pairs = (starts.unsqueeze(2) + rows).view({-1});
+  std::vector<at::Tensor> out;
+  for (const auto& [buffer, spare] : {std::pair{keys, spare_keys}, std::pair{values, spare_values}}) {
+    TORCH_CHECK(buffer.dim() == 5 && buffer.is_contiguous(), "select_slots: buffers must be contiguous, 5-D");
+    const std::vector<int64_t> shape{layers, length + 1, rows.numel(), buffer.size(3), buffer.size(4)};
+    const int64_t size = c10::multiply_integers(shape), inner = buffer.size(3) * buffer.size(4);
+    at::Tensor target;  // `_within(spare, shape, buffer, slack=True)`
+    if (!spare.has_value() || spare->numel() < size || spare->scalar_type() != buffer.scalar_type()) {
+      target = at::empty({2 * size}, buffer.options()).slice(0, 0, size).view(shape);
+    } else {
+      target = spare->view({-1}).slice(0, 0, size).view(shape);
+    }
+    auto copies = target.view({pairs.numel(), -1});
+    at::index_select_out(copies, buffer.view({-1, inner}), 0, pairs);
+    out.push_back(target);
+  }
+  auto whole = [](const at::Tensor& buffer) {  // the allocation the buffer is a view of (`buffer._base`)
+    const int64_t elements = static_cast<int64_t>(buffer.storage().nbytes()) / buffer.element_size();
+    return at::empty({0}, buffer.options()).set_(buffer.storage(), 0, {elements}, {1});
+  };
+  return {out[0], out[1], whole(keys), whole(values)};
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  pybind11::class_<OneSourceBeams>(m, "OneSourceBeams")
+      .def(pybind11::init<std::vector<int64_t>, int64_t, int64_t, std::vector<double>, bool, int64_t, int64_t,
+                          std::vector<int64_t>, int64_t, int64_t>())
+      .def("advance", &OneSourceBeams::advance)
+      .def("running_ids", &OneSourceBeams::running_ids)
+      .def("result", &OneSourceBeams::result)
+      .def_property_readonly("cur_len", &OneSourceBeams::cur_len);
+  m.def("select_slots", &select_slots);
+}

@@ -1,0 +1,83 @@
+"""Libraries of our own C++ built once into a model folder by `vaswani-tx compile`: the int8 few-rows kernel
+(int8_rows.py) and beam search's bookkeeping for one source (one_source_beams.py). Both are built with the C++
+compiler for this torch (`torch.utils.cpp_extension`'s headers and libraries) and loaded only where the manifest
+beside them says they were built for this torch from this source."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sysconfig
+from pathlib import Path
+
+import torch
+
+from .errors import UserInputError
+
+
+def source_digest(source: Path) -> str:
+    """sha256 of a library's source: a library is used only with the source it was built from."""
+    return hashlib.sha256(source.read_bytes()).hexdigest()
+
+
+def library_digest(library: Path) -> str:
+    """sha256 of a built library, kept in its manifest: a library truncated or changed since is not loaded (loading
+    a truncated shared library can end the process with SIGBUS, where no exception can be caught)."""
+    return hashlib.sha256(library.read_bytes()).hexdigest()
+
+
+def compile_library(
+    source: Path, library: Path, what: str, flags: tuple[str, ...] = (), python_module: str | None = None
+) -> None:
+    """Compile `source` into the shared library `library`; with `python_module`, as the Python extension module of
+    that name (pybind11's, as torch's extensions are).
+
+    Raises:
+        UserInputError: "no {what}: ..." where there is no C++ compiler or it failed (its first error line)."""
+    from torch.utils import cpp_extension
+
+    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if compiler is None:
+        raise UserInputError(f"no {what}: it needs a C++ compiler (g++), and none was found")
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    includes = [*cpp_extension.include_paths()]
+    libraries = ["-lc10", "-ltorch_cpu", "-ltorch"]
+    if python_module is not None:
+        flags = (*flags, f"-DTORCH_EXTENSION_NAME={python_module}", "-DTORCH_API_INCLUDE_EXTENSION_H")
+        includes.append(sysconfig.get_paths()["include"])
+        libraries.append("-ltorch_python")
+    command = [
+        compiler, "-O3", "-std=c++20", "-shared", "-fPIC", *flags, f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+        *(f"-I{path}" for path in includes), str(source), "-o", str(library),
+        *(f"-L{path}" for path in cpp_extension.library_paths()), *libraries,
+    ]  # fmt: skip
+    # A library built before by the same command from the same source (another model's folder) is copied, not built
+    # again (10-20 s each), as torch keeps its extensions' builds (~/.cache/torch_extensions).
+    built_by = [[part for part in command if part != str(library)], source_digest(source)]
+    key = hashlib.sha256(json.dumps(built_by).encode()).hexdigest()
+    cached = cache_folder() / f"{source.stem}-{key[:24]}.so"
+    if cached.is_file():
+        shutil.copyfile(cached, library)
+        return
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode != 0:
+        lines = [line for line in done.stderr.splitlines() if "error" in line] or done.stderr.splitlines()[-1:]
+        raise UserInputError(f"no {what}: {compiler} failed ({(lines or ['?'])[0][:300]})")
+    try:  # into the cache whole or not at all; a cache that cannot be written is only a later build's loss
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        partial = cached.with_name(f".{cached.name}.{os.getpid()}")
+        shutil.copyfile(library, partial)
+        os.replace(partial, cached)
+    except OSError:
+        pass
+
+
+def cache_folder() -> Path:
+    """Where built libraries are kept for the next build of the same: $VASWANI_TX_CACHE, else
+    $XDG_CACHE_HOME/vaswani_tx/libraries (~/.cache by default)."""
+    if os.environ.get("VASWANI_TX_CACHE"):
+        return Path(os.environ["VASWANI_TX_CACHE"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "vaswani_tx" / "libraries"

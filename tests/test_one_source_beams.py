@@ -1,0 +1,173 @@
+"""Beam search's bookkeeping for one source in C++ (one_source_beams.py, kernels/one_source_beams.cpp): the same ids
+as its Python loop and transformers' for every setting that loop takes, the cache reordering of the compiled step's
+slots the same copies, and the folders and builds it is not used from.
+
+Speed is measured by benchmarks/bench_translate.py (`--one-at-a-time`), never asserted here.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from transformers import LogitsProcessorList
+
+from test_fast_decoding import ONE_SOURCE_SETTINGS, EndsAt, eos_prone_model
+from test_modeling import batch, tiny_model
+from vaswani_tx import fast_decoding, native, one_source_beams
+from vaswani_tx.errors import UserInputError
+
+pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="no C++ compiler (g++) to build the library")
+
+
+@pytest.fixture(scope="module")
+def library_folder(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("beams")
+    one_source_beams.build(folder)
+    return folder
+
+
+@pytest.fixture
+def paths(library_folder, monkeypatch):
+    """A function that makes a call with the library loaded or set aside (`run(native, function, *args)`), and which
+    loop each beam search took (`run.taken`)."""
+    assert one_source_beams.load(library_folder)
+    library = sys.modules[fast_decoding.BEAMS_MODULE]
+    taken = []
+    for name in ("one_source_search", "native_search"):
+        original = getattr(fast_decoding, name)
+        monkeypatch.setattr(fast_decoding, name, lambda *a, _n=name, _o=original, **k: taken.append(_n) or _o(*a, **k))
+
+    def run(native: bool, function, *args, **kwargs):
+        if native:
+            monkeypatch.setitem(sys.modules, fast_decoding.BEAMS_MODULE, library)
+        else:
+            monkeypatch.delitem(sys.modules, fast_decoding.BEAMS_MODULE, raising=False)
+        return function(*args, **kwargs)
+
+    run.taken = taken
+    return run
+
+
+@pytest.mark.parametrize("settings", ONE_SOURCE_SETTINGS.values(), ids=ONE_SOURCE_SETTINGS.keys())
+def test_the_library_gives_the_python_loops_and_transformers_ids(settings, paths):
+    """Each of transformers' early-stopping rules, length penalties (GNMT's and transformers' form, negative),
+    returned sequences, processors that read the rows' shape or the beams' ids, a decoder prefix."""
+    for seed in range(6):
+        model = eos_prone_model(seed)
+        ids, mask = batch(seed=seed, lengths=(2 + 2 * seed,))
+        kwargs = dict(input_ids=ids, attention_mask=mask, **settings)
+        native = paths(True, model.generate, **kwargs)
+        assert torch.equal(native, paths(False, model.generate, **kwargs)), seed
+        assert torch.equal(native, model.generate(fast_decoding=False, **kwargs)), seed
+    assert paths.taken == ["native_search", "one_source_search"] * 6
+
+
+@pytest.mark.parametrize("vocab_size", [500, 64 * 70, 64 * 70 + 5])  # no blocks, whole blocks, a partial one
+def test_exact_ties_and_each_top_k_path_go_as_in_python(vocab_size, paths):
+    """bfloat16 logits (exact ties among the candidates are common): which go on, and in what order, is torch.topk's
+    in both; vocabularies that take each of the 2k-best searches (`one_source_largest`, `largest`)."""
+    model = tiny_model(seed=1, vocab_size=vocab_size).to(torch.bfloat16)
+    for seed in range(12):
+        ids, mask = batch(seed=seed, lengths=(3 + seed % 7,), vocab=min(vocab_size, 500))
+        kwargs = dict(input_ids=ids, attention_mask=mask, num_beams=6, max_new_tokens=12)
+        native = paths(True, model.generate, **kwargs)
+        assert torch.equal(native, paths(False, model.generate, **kwargs)), seed
+    assert paths.taken.count("native_search") == 12
+
+
+def test_sentences_ending_early_under_a_processor_that_reads_ids(paths):
+    model = eos_prone_model(seed=3)
+    for step in (1, 2, 5):
+        ids, mask = batch(seed=step, lengths=(6,))
+        kwargs = dict(
+            input_ids=ids, attention_mask=mask, num_beams=4, logits_processor=LogitsProcessorList([EndsAt([step])])
+        )
+        native = paths(True, model.generate, **kwargs)
+        assert torch.equal(native, paths(False, model.generate, **kwargs))
+        assert torch.equal(native, model.generate(fast_decoding=False, **kwargs))
+
+
+def test_the_slots_reordering_copies_what_pythons_does(paths):
+    """`PositionSlots.select_rows` through the library: the same keys and values, for reorderings, fewer rows
+    (finished sources) and more (the first step's copies), at several lengths, into the spare where it has room."""
+    g = torch.Generator().manual_seed(0)
+    slots = {True: fast_decoding.PositionSlots(3), False: fast_decoding.PositionSlots(3)}
+    rows = 6
+    like = torch.zeros(1)
+    for length in range(0, 20):
+        for slot in slots.values():
+            keys, values = slot.views(rows, 1, 2, 4, 5, like)  # (the slot of this step is written by the step)
+            torch.manual_seed(length)
+            for tensor in (*keys, *values):
+                tensor[-1].copy_(torch.randn(tensor[-1].shape))
+            slot.length += 1
+        new_rows = rows if length % 3 else max(1, rows - 1)
+        order = torch.randint(0, rows, (new_rows,), generator=g)
+        for in_library, slot in slots.items():
+            paths(in_library, slot.select_rows, order)
+        rows = new_rows
+        python, library = slots[False], slots[True]
+        for a, b in ((python.keys, library.keys), (python.values, library.values)):
+            assert a.shape == b.shape and torch.equal(a[:, : length + 1], b[:, : length + 1]), length
+
+
+def test_the_manifest_names_what_the_library_was_built_for(library_folder):
+    manifest = json.loads((library_folder / one_source_beams.FOLDER / one_source_beams.MANIFEST).read_text())
+    library = library_folder / one_source_beams.FOLDER / one_source_beams.LIBRARY
+    assert manifest == {**one_source_beams._manifest(), "library": native.library_digest(library)}
+    assert manifest["python"] == sys.implementation.cache_tag and manifest["torch"] == torch.__version__
+
+
+@pytest.mark.parametrize("field", ["torch", "python", "source"])
+def test_a_library_of_another_torch_python_or_source_is_one_line_and_the_python_loop(library_folder, tmp_path, field):
+    """Not loaded (in a fresh process, where nothing is loaded yet): one logged line; beam search keeps Python."""
+    folder = tmp_path / field
+    shutil.copytree(library_folder / one_source_beams.FOLDER, folder / one_source_beams.FOLDER)
+    manifest = folder / one_source_beams.FOLDER / one_source_beams.MANIFEST
+    manifest.write_text(json.dumps({**json.loads(manifest.read_text()), field: "0.0.0"}))
+    code = (
+        "import logging, sys; logging.basicConfig(level=logging.WARNING);"
+        "from vaswani_tx import one_source_beams, fast_decoding;"
+        "print(one_source_beams.load(sys.argv[1]), fast_decoding.beams_library())"
+    )
+    done = subprocess.run([sys.executable, "-c", code, str(folder)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["False", "None"]
+    lines = [line for line in done.stderr.splitlines() if "beam-search library" in line]
+    assert len(lines) == 1
+    expected = {"torch": "built for torch 0.0.0", "python": "built for Python 0.0.0", "source": "another version"}
+    assert expected[field] in lines[0] and "Python loop" in lines[0]
+
+
+def test_a_truncated_library_is_one_line_and_the_python_loop(library_folder, tmp_path):
+    shutil.copytree(library_folder / one_source_beams.FOLDER, tmp_path / one_source_beams.FOLDER)
+    library = tmp_path / one_source_beams.FOLDER / one_source_beams.LIBRARY
+    library.write_bytes(library.read_bytes()[:5000])
+    code = (
+        "import logging, sys; logging.basicConfig(level=logging.WARNING);"
+        "from vaswani_tx import one_source_beams; print(one_source_beams.load(sys.argv[1]))"
+    )
+    done = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "False"
+    assert "truncated or changed since" in done.stderr and len(done.stderr.strip().splitlines()) == 1
+
+
+def test_a_failing_compiler_is_one_line_and_writes_nothing(tmp_path, monkeypatch):
+    monkeypatch.setenv("CXX", "false")
+    with pytest.raises(UserInputError, match="no beam-search library: false failed"):
+        one_source_beams.build(tmp_path)
+    assert not (tmp_path / one_source_beams.FOLDER).exists()
+
+
+def test_a_second_build_of_the_same_source_is_a_copy(library_folder, tmp_path, monkeypatch):
+    """Built once for this torch and compiler: the next folder's library is the cached one, no compiler run."""
+    monkeypatch.setattr(native.subprocess, "run", lambda *a, **k: pytest.fail("compiled again"))
+    one_source_beams.build(tmp_path)
+    built = (folder / one_source_beams.FOLDER / one_source_beams.LIBRARY for folder in (library_folder, tmp_path))
+    assert len({path.read_bytes() for path in built}) == 1
