@@ -590,11 +590,12 @@ class OwnProjection:
 
     def __init__(self, model: nn.Module):
         self.model = model
+        self.vocabulary = model.config.vocab_size  # read once: a config's attributes cost microseconds each
         self.buffer: torch.Tensor | None = None
 
     def __call__(self, hidden: torch.Tensor, log_softmax: bool = False) -> torch.Tensor:
         rows = hidden.reshape(-1, hidden.shape[-1])
-        count, vocabulary = rows.shape[0], self.model.config.vocab_size
+        count, vocabulary = rows.shape[0], self.vocabulary
         if fits_fresh(count, vocabulary):
             return in_log_space(self.model.project(hidden).float(), log_softmax)
         if self.buffer is None or self.buffer.shape[0] < count:

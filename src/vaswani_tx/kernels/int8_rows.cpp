@@ -86,19 +86,30 @@ at::Tensor linear(
   shape.back() = out_features;
   auto y = at::empty({m, out_features}, x.options());
   if (m == 0) return y.view(shape);
-  // Quantize each row: symmetric, round to nearest even (the float -> int conversion's default mode).
+  // Quantize each row: symmetric, round to nearest even (the float -> int conversion's default mode), 16 at a time
+  // (the same products and roundings as one at a time: a 6 x 256 row block took 2-3 us one at a time).
   std::vector<uint8_t> xq(m * padded, 128);
   std::vector<float> row_scale(m);
   const float* xs = x.data_ptr<float>();
+  const int64_t whole = k / kLanes * kLanes;
   for (int64_t r = 0; r < m; ++r) {
     const float* row = xs + r * k;
-    float largest = 0.f;
-    for (int64_t i = 0; i < k; ++i) largest = std::max(largest, std::fabs(row[i]));
+    __m512 largest16 = _mm512_setzero_ps();
+    for (int64_t i = 0; i < whole; i += kLanes) largest16 = _mm512_max_ps(largest16, _mm512_abs_ps(_mm512_loadu_ps(row + i)));
+    float largest = _mm512_reduce_max_ps(largest16);
+    for (int64_t i = whole; i < k; ++i) largest = std::max(largest, std::fabs(row[i]));
     const float scale = largest > 0.f ? largest / 127.f : 1.f;
     const float inverse = 1.f / scale;
     row_scale[r] = scale;
     uint8_t* q = xq.data() + r * padded;
-    for (int64_t i = 0; i < k; ++i) {
+    const __m512 inverse16 = _mm512_set1_ps(inverse);
+    const __m512i low = _mm512_set1_epi32(-127), high = _mm512_set1_epi32(127), offset = _mm512_set1_epi32(128);
+    for (int64_t i = 0; i < whole; i += kLanes) {
+      __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(row + i), inverse16));
+      v = _mm512_add_epi32(_mm512_min_epi32(high, _mm512_max_epi32(low, v)), offset);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i), _mm512_cvtepi32_epi8(v));
+    }
+    for (int64_t i = whole; i < k; ++i) {
       const int32_t v = static_cast<int32_t>(std::nearbyint(row[i] * inverse));
       q[i] = static_cast<uint8_t>(std::min(127, std::max(-127, v)) + 128);
     }
@@ -122,6 +133,13 @@ at::Tensor linear(
         for (int64_t r = 0; r < rows; ++r) {
           float* dst = out + (r0 + r) * out_features + col0;
           const float s = row_scale[r0 + r];
+          if (cols == kLanes) {  // the same operations as below, 16 columns at a time (no fused multiply-add)
+            const __m512i sums16 = _mm512_sub_epi32(_mm512_load_si512(acc + r * kLanes), _mm512_loadu_si512(shift + col0));
+            __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(sums16), _mm512_mul_ps(_mm512_set1_ps(s), _mm512_loadu_ps(ws + col0)));
+            if (b != nullptr) v = _mm512_add_ps(v, _mm512_loadu_ps(b + col0));
+            _mm512_storeu_ps(dst, v);
+            continue;
+          }
           for (int64_t c = 0; c < cols; ++c) {
             const float v = static_cast<float>(acc[r * kLanes + c] - shift[col0 + c]) * (s * ws[col0 + c]);
             dst[c] = b != nullptr ? v + b[col0 + c] : v;
