@@ -1,5 +1,6 @@
 """Compile a saved model's decoding steps ahead of time (AOTInductor): MODEL/compiled, compiled-few, -int8, -bf16,
-compiled-few-bf16, compiled-few-int8, and the int8 few-rows kernel (MODEL/kernels).
+compiled-few-bf16, compiled-few-int8, the int8 few-rows kernel (MODEL/kernels) and beam search's bookkeeping for
+one source (MODEL/beam-search).
 
 Once compiled, every later process that loads the folder (`from_pretrained`, `pipeline("translation")`,
 `vaswani-tx translate` and `evaluate`) decodes through it with no flag and no compilation wait, where it
@@ -18,6 +19,10 @@ with AVX512-VNNI, the int8 products of up to 16 rows are those of an int8 kernel
 CPU with bf16 instructions (where `--dtype auto` picks bfloat16) the bfloat16 model's step (MODEL/compiled-bf16)
 serves `--dtype auto` and `from_pretrained(MODEL, dtype=torch.bfloat16)`; Inductor keeps its fused elementwise
 work in float32 between bfloat16 tensors, so its translations differ from the eager bfloat16 path's at that rounding.
+Beam search over one source (a sentence a call: a service, the pipeline given a string) keeps its books in a C++
+library built here with g++ (MODEL/beam-search, about 17 s; one_source_beams.py): the same choices as its Python
+loop in one call a step, loaded by `from_pretrained` where it was built for this torch and Python, for every
+precision.
 Takes 20-60 s for each step of the base model or the main job's on 2 cores (60 s with Inductor's cache cold);
 run it again after changing the weights or torch.
 
