@@ -94,19 +94,23 @@ def test_sentences_ending_early_under_a_processor_that_reads_ids(paths):
 
 def test_the_slots_reordering_copies_what_pythons_does(paths):
     """`PositionSlots.select_rows` through the library: the same keys and values, for reorderings, fewer rows
-    (finished sources) and more (the first step's copies), at several lengths, into the spare where it has room."""
+    (finished sources) and more (the first step's copies), at several lengths, into the spare where it has room;
+    and `PositionSlots.views` the same views."""
     g = torch.Generator().manual_seed(0)
     slots = {True: fast_decoding.PositionSlots(3), False: fast_decoding.PositionSlots(3)}
     rows = 6
     like = torch.zeros(1)
     for length in range(0, 20):
         for slot in slots.values():
-            keys, values = slot.views(rows, 1, 2, 4, 5, like)  # (the slot of this step is written by the step)
+            keys, values = paths(False, slot.views, rows, 1, 2, 4, 5, like)  # (this step's slot: the step writes it)
+            library_views = paths(True, slot.views, rows, 1, 2, 4, 5, like)  # the same views through the library
+            for a, b in zip((*keys, *values), (*library_views[0], *library_views[1])):
+                assert (a.shape, a.stride(), a.data_ptr()) == (b.shape, b.stride(), b.data_ptr())
             torch.manual_seed(length)
             for tensor in (*keys, *values):
                 tensor[-1].copy_(torch.randn(tensor[-1].shape))
             slot.length += 1
-        new_rows = rows if length % 3 else max(1, rows - 1)
+        new_rows = max(1, rows - 1) if length % 3 == 0 else rows + 3 if length % 5 == 1 else rows
         order = torch.randint(0, rows, (new_rows,), generator=g)
         for in_library, slot in slots.items():
             paths(in_library, slot.select_rows, order)
