@@ -18,7 +18,7 @@ from transformers import LogitsProcessorList
 
 from test_fast_decoding import ONE_SOURCE_SETTINGS, EndsAt, eos_prone_model
 from test_modeling import batch, tiny_model
-from vaswani_tx import fast_decoding, native, one_source_beams
+from vaswani_tx import compiled_decoding, fast_decoding, native, one_source_beams
 from vaswani_tx.errors import UserInputError
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="no C++ compiler (g++) to build the library")
@@ -123,7 +123,7 @@ def test_the_slots_reordering_copies_what_pythons_does(paths):
 def test_the_manifest_names_what_the_library_was_built_for(library_folder):
     manifest = json.loads((library_folder / one_source_beams.FOLDER / one_source_beams.MANIFEST).read_text())
     library = library_folder / one_source_beams.FOLDER / one_source_beams.LIBRARY
-    assert manifest == {**one_source_beams._manifest(), "library": native.library_digest(library)}
+    assert manifest == {**one_source_beams.manifest(), "library": compiled_decoding.file_sha256(library)}
     assert manifest["python"] == sys.implementation.cache_tag and manifest["torch"] == torch.__version__
 
 

@@ -46,11 +46,14 @@ Compiling is compile_step.py's (it stays in the package). This file travels with
 from __future__ import annotations
 
 import functools
+import hashlib
+import importlib.util
 import json
 import logging
 import operator
 import os
 import platform
+import sys
 import threading
 import zlib
 from pathlib import Path
@@ -498,12 +501,8 @@ def attach(model: nn.Module, folder: str | os.PathLike) -> None:
     model._compiled_folder = str(folder) if found else None
     model._compiled_steps = {precision(model): model._compiled_step}  # the steps loaded so far, by precision
     model._compiled_for = next(model.parameters()).dtype
-    if found:  # beam search's bookkeeping in C++, where `vaswani-tx compile` built it (the package's, not remote code)
-        try:
-            from vaswani_tx import one_source_beams
-        except ImportError:
-            return
-        one_source_beams.load(folder)
+    if found:
+        load_beams_library(folder)  # beam search's bookkeeping in C++, where `vaswani-tx compile` built it
 
 
 def step_for_dtype(model: nn.Module) -> CompiledStep | None:
@@ -548,3 +547,65 @@ def step_for_rows(model: nn.Module, rows: int) -> CompiledStep | None:
         if few is not None and few.usable(model):
             return few
     return compiled if compiled.usable(model) else None
+
+
+# --- beam search's bookkeeping in C++ (one_source_beams.py builds it) ------------------------------------------------
+
+BEAMS_FOLDER = "beam-search"
+# The library's Python module: loaded under this name into sys.modules, where fast_decoding.py finds it.
+BEAMS_MODULE = "vaswani_tx_beams"
+BEAMS_LIBRARY = BEAMS_MODULE + ".so"
+BEAMS_SOURCE = Path(__file__).with_name("kernels") / "one_source_beams.cpp"
+
+
+def file_sha256(path: Path) -> str:
+    """sha256 of a file: a library's source (it is used only with the source it was built from), or the built
+    library, kept in its manifest (loading a truncated shared library can end the process with SIGBUS, where no
+    exception can be caught)."""
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def beams_manifest() -> dict:
+    """What a beam-search library is built for: this torch, this Python, this source."""
+    return {"torch": torch.__version__, "python": sys.implementation.cache_tag, "source": file_sha256(BEAMS_SOURCE)}
+
+
+def load_beams_library(folder: str | os.PathLike) -> bool:
+    """Whether beam search over one source can go through the library now: `folder`/beam-search holds one that fits
+    (this torch, this Python, this source; its own digest), loaded into this process at the first such folder, or
+    one was loaded before. A folder with none says nothing; one that does not fit logs one line. A saved folder's
+    copy of this file (remote code, no C++ source beside it) loads none."""
+    if BEAMS_MODULE in sys.modules:
+        return True
+    where = Path(folder) / BEAMS_FOLDER
+    if not (where / MANIFEST).is_file() or not BEAMS_SOURCE.is_file():
+        return False
+    try:
+        manifest = json.loads((where / MANIFEST).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as error:
+        logger.warning("%s: not using the beam-search library: its manifest is unreadable (%s)", where, error)
+        return False
+    here = beams_manifest()
+    problem = next(
+        (
+            f"it was built for {what} {manifest.get(key)}, this is {here[key]}"
+            for key, what in (("torch", "torch"), ("python", "Python"))
+            if manifest.get(key) != here[key]
+        ),
+        "it was built from another version of its source" if manifest.get("source") != here["source"] else None,
+    )
+    if problem is None:
+        try:
+            if manifest.get("library") != file_sha256(where / BEAMS_LIBRARY):
+                problem = "its library is not the one built (truncated or changed since)"
+            else:
+                spec = importlib.util.spec_from_file_location(BEAMS_MODULE, where / BEAMS_LIBRARY)
+                module = importlib.util.module_from_spec(spec)
+                spec.loader.exec_module(module)
+                sys.modules[BEAMS_MODULE] = module
+        except (ImportError, OSError) as error:
+            problem = f"its library does not load ({_first_line(error)})"
+    if problem is not None:
+        logger.warning("%s: not using the beam-search library: %s; beam search's Python loop instead", where, problem)
+        return False
+    return True

@@ -81,6 +81,7 @@ from transformers.generation.stopping_criteria import (
 )
 
 from .compiled_decoding import (
+    BEAMS_MODULE,
     CompiledStep,
     gemm_backend,
     onednn_linear_available,
@@ -1631,11 +1632,6 @@ def native_search(session, input_ids, logits_processor, stopping_criteria, gener
         if reorder is not None:
             session.reorder(reorder.to(device))
         tokens = tokens.to(device)
-
-
-# The module of the C++ library of `native_search` and `PositionSlots.select_rows` (one_source_beams.py loads it
-# under this name into sys.modules, where this file finds it also as a saved folder's copy).
-BEAMS_MODULE = "vaswani_tx_beams"
 
 
 def beams_library():

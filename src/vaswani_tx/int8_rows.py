@@ -25,9 +25,8 @@ from pathlib import Path
 
 import torch
 
-from . import native
 from .atomic import atomic_folder
-from .compiled_decoding import FEW_ROWS_MAX_INT8, ROWS_BUFFERS
+from .compiled_decoding import FEW_ROWS_MAX_INT8, ROWS_BUFFERS, file_sha256
 from .errors import UserInputError
 from .native import compile_library
 
@@ -52,7 +51,7 @@ _library_loaded = False  # one library a process (it registers the operators), o
 
 def source_digest() -> str:
     """sha256 of the kernel's source: a library is used only with the source it was built from."""
-    return native.source_digest(SOURCE)
+    return file_sha256(SOURCE)
 
 
 def cpu_supports() -> tuple[bool, str]:
@@ -84,7 +83,7 @@ def build(folder: str | os.PathLike) -> Path:
         raise UserInputError(f"no int8 few-rows kernel: {why}")
     with atomic_folder(Path(folder) / FOLDER) as out:
         compile_library(SOURCE, out / LIBRARY, "int8 few-rows kernel", COMPILE_FLAGS)
-        manifest = {**_manifest(), "library": native.library_digest(out / LIBRARY)}
+        manifest = {**_manifest(), "library": file_sha256(out / LIBRARY)}
         (out / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n", encoding="utf-8")
     return Path(folder) / FOLDER
 
@@ -116,7 +115,7 @@ def load(folder: str | os.PathLike) -> bool:
     if problem is None and not _library_loaded:
         try:
             # (a manifest written before it kept the library's digest is taken at its word)
-            if manifest.get("library", None) not in (None, native.library_digest(kernels / LIBRARY)):
+            if manifest.get("library", None) not in (None, file_sha256(kernels / LIBRARY)):
                 raise OSError("it is not the one built: truncated or changed since")
             torch.ops.load_library(str(kernels / LIBRARY))
             _library_loaded = True

@@ -15,18 +15,8 @@ from pathlib import Path
 
 import torch
 
+from .compiled_decoding import file_sha256
 from .errors import UserInputError
-
-
-def source_digest(source: Path) -> str:
-    """sha256 of a library's source: a library is used only with the source it was built from."""
-    return hashlib.sha256(source.read_bytes()).hexdigest()
-
-
-def library_digest(library: Path) -> str:
-    """sha256 of a built library, kept in its manifest: a library truncated or changed since is not loaded (loading
-    a truncated shared library can end the process with SIGBUS, where no exception can be caught)."""
-    return hashlib.sha256(library.read_bytes()).hexdigest()
 
 
 def compile_library(
@@ -56,7 +46,7 @@ def compile_library(
     ]  # fmt: skip
     # A library built before by the same command from the same source (another model's folder) is copied, not built
     # again (10-20 s each), as torch keeps its extensions' builds (~/.cache/torch_extensions).
-    built_by = [[part for part in command if part != str(library)], source_digest(source)]
+    built_by = [[part for part in command if part != str(library)], file_sha256(source)]
     key = hashlib.sha256(json.dumps(built_by).encode()).hexdigest()
     cached = cache_folder() / f"{source.stem}-{key[:24]}.so"
     if cached.is_file():
