@@ -102,6 +102,15 @@ def _tiny_config():
     )
 
 
+def in_a_fresh_process(statement: str, folder) -> tuple[str, list[str]]:
+    """Run `statement` (Python, `sys` imported, the folder as sys.argv[1]) in a new process with warnings logged, where
+    nothing of ours is loaded yet: (what it printed, the lines it logged)."""
+    code = "import logging, sys; logging.basicConfig(level=logging.WARNING);" + statement
+    done = subprocess.run([sys.executable, "-c", code, str(folder)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip(), done.stderr.strip().splitlines()
+
+
 @needs_kernel
 def test_a_kernel_of_another_torch_or_source_is_one_line_and_fbgemm(kernel_folder, tmp_path):
     """A folder whose kernel was built for another torch, or from another version of the source, is not loaded: one
@@ -111,16 +120,13 @@ def test_a_kernel_of_another_torch_or_source_is_one_line_and_fbgemm(kernel_folde
         shutil.copytree(kernel_folder / int8_rows.FOLDER, folder / int8_rows.FOLDER)
         manifest = folder / int8_rows.FOLDER / int8_rows.MANIFEST
         manifest.write_text(json.dumps({**json.loads(manifest.read_text()), field: value}))
-        code = (
-            "import logging, sys; logging.basicConfig(level=logging.WARNING);"
-            "from vaswani_tx import int8_rows; print(int8_rows.load(sys.argv[1]))"
+        printed, logged = in_a_fresh_process(
+            "from vaswani_tx import int8_rows; print(int8_rows.load(sys.argv[1]))", folder
         )
-        done = subprocess.run([sys.executable, "-c", code, str(folder)], capture_output=True, text=True, timeout=120)
-        assert done.returncode == 0, done.stderr
-        assert done.stdout.strip() == "False"
-        lines = [line for line in done.stderr.splitlines() if "int8 few-rows kernel" in line]
+        assert printed == "False"
+        lines = [line for line in logged if "int8 few-rows kernel" in line]
         assert len(lines) == 1
-        assert ("built for torch 0.0.0" if field == "torch" else "another version of the kernel's source") in lines[0]
+        assert ("built for torch 0.0.0" if field == "torch" else "another version of its source") in lines[0]
 
 
 def test_a_folder_without_a_kernel_says_nothing(tmp_path, caplog):

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
 import sys
 
 import pytest
@@ -17,6 +16,7 @@ import torch
 from transformers import LogitsProcessorList
 
 from test_fast_decoding import ONE_SOURCE_SETTINGS, EndsAt, eos_prone_model
+from test_int8_rows import in_a_fresh_process
 from test_modeling import batch, tiny_model
 from vaswani_tx import compiled_decoding, fast_decoding, native, one_source_beams
 from vaswani_tx.errors import UserInputError
@@ -134,15 +134,10 @@ def test_a_library_of_another_torch_python_or_source_is_one_line_and_the_python_
     shutil.copytree(library_folder / one_source_beams.FOLDER, folder / one_source_beams.FOLDER)
     manifest = folder / one_source_beams.FOLDER / one_source_beams.MANIFEST
     manifest.write_text(json.dumps({**json.loads(manifest.read_text()), field: "0.0.0"}))
-    code = (
-        "import logging, sys; logging.basicConfig(level=logging.WARNING);"
-        "from vaswani_tx import one_source_beams, fast_decoding;"
-        "print(one_source_beams.load(sys.argv[1]), fast_decoding.beams_library())"
-    )
-    done = subprocess.run([sys.executable, "-c", code, str(folder)], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.split() == ["False", "None"]
-    lines = [line for line in done.stderr.splitlines() if "beam-search library" in line]
+    statement = "from vaswani_tx import one_source_beams as b, fast_decoding as f; print(b.load(sys.argv[1]), f.beams_library())"
+    printed, logged = in_a_fresh_process(statement, folder)
+    assert printed.split() == ["False", "None"]
+    lines = [line for line in logged if "beam-search library" in line]
     assert len(lines) == 1
     expected = {"torch": "built for torch 0.0.0", "python": "built for Python 0.0.0", "source": "another version"}
     assert expected[field] in lines[0] and "Python loop" in lines[0]
@@ -152,14 +147,11 @@ def test_a_truncated_library_is_one_line_and_the_python_loop(library_folder, tmp
     shutil.copytree(library_folder / one_source_beams.FOLDER, tmp_path / one_source_beams.FOLDER)
     library = tmp_path / one_source_beams.FOLDER / one_source_beams.LIBRARY
     library.write_bytes(library.read_bytes()[:5000])
-    code = (
-        "import logging, sys; logging.basicConfig(level=logging.WARNING);"
-        "from vaswani_tx import one_source_beams; print(one_source_beams.load(sys.argv[1]))"
+    printed, logged = in_a_fresh_process(
+        "from vaswani_tx import one_source_beams; print(one_source_beams.load(sys.argv[1]))", tmp_path
     )
-    done = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "False"
-    assert "truncated or changed since" in done.stderr and len(done.stderr.strip().splitlines()) == 1
+    assert printed == "False"
+    assert len(logged) == 1 and "truncated or changed since" in logged[0]
 
 
 def test_a_failing_compiler_is_one_line_and_writes_nothing(tmp_path, monkeypatch):

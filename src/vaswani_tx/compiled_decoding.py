@@ -565,6 +565,41 @@ def file_sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
+def read_library_manifest(where: Path, what: str) -> dict | None:
+    """A built library's manifest (`where`/manifest.json); None where there is none, or, with one logged line naming
+    `what`, where it is unreadable."""
+    if not (where / MANIFEST).is_file():
+        return None
+    try:
+        return json.loads((where / MANIFEST).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as error:
+        logger.warning("%s: not using %s: its manifest is unreadable (%s)", where, what, error)
+        return None
+
+
+def library_mismatch(manifest: dict, here: dict) -> str | None:
+    """The first way a library's manifest does not fit this process (`here`: what a library built now would say),
+    in words; None where it fits."""
+    for key, what in (("torch", "torch"), ("python", "Python")):
+        if key in here and manifest.get(key) != here[key]:
+            return f"it was built for {what} {manifest.get(key)}, this is {here[key]}"
+    return "it was built from another version of its source" if manifest.get("source") != here["source"] else None
+
+
+def load_checked(manifest: dict, library: Path, load, digest_required: bool = True) -> str | None:
+    """`load()` the built `library` where its sha256 is its manifest's (`file_sha256` says why); None where it
+    loaded, else why not in words. Without `digest_required`, a manifest that keeps no digest (written before
+    manifests did) is taken at its word."""
+    try:
+        digest = manifest.get("library")
+        if (digest is not None or digest_required) and digest != file_sha256(library):
+            return "its library is not the one built (truncated or changed since)"
+        load()
+    except (ImportError, OSError, RuntimeError) as error:
+        return f"its library does not load ({_first_line(error)})"
+    return None
+
+
 def beams_manifest() -> dict:
     """What a beam-search library is built for: this torch, this Python, this source."""
     return {"torch": torch.__version__, "python": sys.implementation.cache_tag, "source": file_sha256(BEAMS_SOURCE)}
@@ -578,33 +613,21 @@ def load_beams_library(folder: str | os.PathLike) -> bool:
     if BEAMS_MODULE in sys.modules:
         return True
     where = Path(folder) / BEAMS_FOLDER
-    if not (where / MANIFEST).is_file() or not BEAMS_SOURCE.is_file():
+    if not BEAMS_SOURCE.is_file():
         return False
-    try:
-        manifest = json.loads((where / MANIFEST).read_text(encoding="utf-8"))
-    except (OSError, ValueError) as error:
-        logger.warning("%s: not using the beam-search library: its manifest is unreadable (%s)", where, error)
+    manifest = read_library_manifest(where, "the beam-search library")
+    if manifest is None:
         return False
-    here = beams_manifest()
-    problem = next(
-        (
-            f"it was built for {what} {manifest.get(key)}, this is {here[key]}"
-            for key, what in (("torch", "torch"), ("python", "Python"))
-            if manifest.get(key) != here[key]
-        ),
-        "it was built from another version of its source" if manifest.get("source") != here["source"] else None,
+
+    def import_library() -> None:
+        spec = importlib.util.spec_from_file_location(BEAMS_MODULE, where / BEAMS_LIBRARY)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        sys.modules[BEAMS_MODULE] = module
+
+    problem = library_mismatch(manifest, beams_manifest()) or load_checked(
+        manifest, where / BEAMS_LIBRARY, import_library
     )
-    if problem is None:
-        try:
-            if manifest.get("library") != file_sha256(where / BEAMS_LIBRARY):
-                problem = "its library is not the one built (truncated or changed since)"
-            else:
-                spec = importlib.util.spec_from_file_location(BEAMS_MODULE, where / BEAMS_LIBRARY)
-                module = importlib.util.module_from_spec(spec)
-                spec.loader.exec_module(module)
-                sys.modules[BEAMS_MODULE] = module
-        except (ImportError, OSError) as error:
-            problem = f"its library does not load ({_first_line(error)})"
     if problem is not None:
         logger.warning("%s: not using the beam-search library: %s; beam search's Python loop instead", where, problem)
         return False

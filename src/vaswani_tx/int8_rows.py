@@ -26,7 +26,14 @@ from pathlib import Path
 import torch
 
 from .atomic import atomic_folder
-from .compiled_decoding import FEW_ROWS_MAX_INT8, ROWS_BUFFERS, file_sha256
+from .compiled_decoding import (
+    FEW_ROWS_MAX_INT8,
+    ROWS_BUFFERS,
+    file_sha256,
+    library_mismatch,
+    load_checked,
+    read_library_manifest,
+)
 from .errors import UserInputError
 from .native import compile_library
 
@@ -92,39 +99,24 @@ def load(folder: str | os.PathLike) -> bool:
     """Whether a model from `folder` takes the kernel: its `kernels/` holds one that fits (this torch, this source,
     this CPU), loaded into this process at the first such folder (one library a process: the same source). A folder
     with none says nothing; one that does not fit logs one line."""
-    global _library_loaded
     kernels = Path(folder) / FOLDER
-    if not (kernels / MANIFEST).is_file():
+    manifest = read_library_manifest(kernels, "the int8 few-rows kernel")
+    if manifest is None:
         return False
-    try:
-        manifest = json.loads((kernels / MANIFEST).read_text(encoding="utf-8"))
-    except (OSError, ValueError) as error:
-        logger.warning("%s: not using the int8 few-rows kernel: its manifest is unreadable (%s)", kernels, error)
-        return False
-    here = _manifest()
     supported, why = cpu_supports()
-    problem = (
-        f"it was built for torch {manifest.get('torch')}, this is {here['torch']}"
-        if manifest.get("torch") != here["torch"]
-        else "it was built from another version of the kernel's source"
-        if manifest.get("source") != here["source"]
-        else why
-        if not supported
-        else None
-    )
-    if problem is None and not _library_loaded:
-        try:
-            # (a manifest written before it kept the library's digest is taken at its word)
-            if manifest.get("library", None) not in (None, file_sha256(kernels / LIBRARY)):
-                raise OSError("it is not the one built: truncated or changed since")
-            torch.ops.load_library(str(kernels / LIBRARY))
-            _library_loaded = True
+    problem = library_mismatch(manifest, _manifest()) or (None if supported else why)
 
-            @torch.library.register_fake("vaswani_tx_int8::linear")  # for torch.export (compile_step.py)
-            def _(x, packed, scales, sums, bias, out_features):
-                return x.new_empty(*x.shape[:-1], out_features)
-        except (OSError, RuntimeError) as error:
-            problem = f"its library does not load ({str(error).strip().splitlines()[0][:200]})"
+    def load_operators() -> None:
+        global _library_loaded
+        torch.ops.load_library(str(kernels / LIBRARY))
+        _library_loaded = True
+
+        @torch.library.register_fake("vaswani_tx_int8::linear")  # for torch.export (compile_step.py)
+        def _(x, packed, scales, sums, bias, out_features):
+            return x.new_empty(*x.shape[:-1], out_features)
+
+    if problem is None and not _library_loaded:
+        problem = load_checked(manifest, kernels / LIBRARY, load_operators, digest_required=False)
     if problem is not None:
         logger.warning("%s: not using the int8 few-rows kernel: %s; fbgemm's kernel instead", kernels, problem)
         return False
