@@ -879,7 +879,7 @@ class PositionSlots:
         if self.keys is None:
             return
         library = beams_library()
-        if library is not None:  # the same, in C++ (one_source_beams.py)
+        if library is not None and self.keys.device.type == "cpu":  # the same, in C++ (one_source_beams.py)
             self.keys, self.values, *self.spare = library.select_slots(
                 self.keys, self.values, *self.spare, self.length, rows
             )
@@ -1307,7 +1307,9 @@ def beam_search(model, input_ids, logits_processor, stopping_criteria, generatio
     beams_to_keep = max(2, 1 + n_eos_tokens) * num_beams
     if one_source_applies(batch_size, stopping_criteria):
         session = open_session(model, model_kwargs, input_ids, max_length, rows_per_source=num_beams)
-        search = native_search if beams_library() is not None else one_source_search
+        # (the library reads the log-probabilities in host memory: the CPU's)
+        native = beams_library() is not None and input_ids.device.type == "cpu"
+        search = native_search if native else one_source_search
         return search(session, input_ids, logits_processor, stopping_criteria, generation_config, beams_to_keep)
     top_num_beam_mask = torch.cat(
         (torch.ones(num_beams, dtype=torch.bool), torch.zeros(beams_to_keep - num_beams, dtype=torch.bool))

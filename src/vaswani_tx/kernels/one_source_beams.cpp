@@ -72,8 +72,9 @@ class OneSourceBeams {
   // One step from the running beams' log-probabilities (k, V) (the processors' output): returns (done, the beam
   // each new running beam continues, None where they are 0 .. k - 1 in order, the next tokens (k, 1)).
   std::tuple<bool, std::optional<at::Tensor>, at::Tensor> advance(const at::Tensor& log_probs) {
-    TORCH_CHECK(log_probs.dim() == 2 && log_probs.size(0) == num_beams_ && log_probs.is_contiguous(),
-                "one_source_beams: log-probabilities must be (num_beams, V), contiguous");
+    TORCH_CHECK(log_probs.dim() == 2 && log_probs.size(0) == num_beams_ && log_probs.is_contiguous() &&
+                    log_probs.device().is_cpu(),
+                "one_source_beams: log-probabilities must be (num_beams, V), contiguous, on the CPU");
     const int64_t width = log_probs.size(1);
     std::vector<float> shift_values;
     for (const auto& entry : running_) shift_values.push_back(entry.score);
@@ -243,7 +244,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> select_slots(
     const at::Tensor& keys, const at::Tensor& values, const std::optional<at::Tensor>& spare_keys,
     const std::optional<at::Tensor>& spare_values, int64_t length, const at::Tensor& rows) {
   const int64_t layers = keys.size(0), capacity = keys.size(1), old_rows = keys.size(2);
-  TORCH_CHECK(rows.dim() == 1 && rows.scalar_type() == at::kLong, "select_slots: rows must be 1-D int64");
+  TORCH_CHECK(rows.dim() == 1 && rows.scalar_type() == at::kLong && rows.device().is_cpu() && keys.device().is_cpu() &&
+                  values.device().is_cpu(),
+              "select_slots: rows must be 1-D int64, and every tensor on the CPU");
   const auto order = rows.contiguous();
   const int64_t* picked = order.data_ptr<int64_t>();
   const int64_t count = order.numel();
