@@ -127,31 +127,36 @@ def test_the_manifest_names_what_the_library_was_built_for(library_folder):
     assert manifest["python"] == sys.implementation.cache_tag and manifest["torch"] == torch.__version__
 
 
-@pytest.mark.parametrize("field", ["torch", "python", "source"])
-def test_a_library_of_another_torch_python_or_source_is_one_line_and_the_python_loop(library_folder, tmp_path, field):
-    """Not loaded (in a fresh process, where nothing is loaded yet): one logged line; beam search keeps Python."""
-    folder = tmp_path / field
-    shutil.copytree(library_folder / one_source_beams.FOLDER, folder / one_source_beams.FOLDER)
-    manifest = folder / one_source_beams.FOLDER / one_source_beams.MANIFEST
-    manifest.write_text(json.dumps({**json.loads(manifest.read_text()), field: "0.0.0"}))
-    statement = "from vaswani_tx import one_source_beams as b, fast_decoding as f; print(b.load(sys.argv[1]), f.beams_library())"
-    printed, logged = in_a_fresh_process(statement, folder)
-    assert printed.split() == ["False", "None"]
-    lines = [line for line in logged if "beam-search library" in line]
-    assert len(lines) == 1
-    expected = {"torch": "built for torch 0.0.0", "python": "built for Python 0.0.0", "source": "another version"}
-    assert expected[field] in lines[0] and "Python loop" in lines[0]
-
-
-def test_a_truncated_library_is_one_line_and_the_python_loop(library_folder, tmp_path):
-    shutil.copytree(library_folder / one_source_beams.FOLDER, tmp_path / one_source_beams.FOLDER)
-    library = tmp_path / one_source_beams.FOLDER / one_source_beams.LIBRARY
-    library.write_bytes(library.read_bytes()[:5000])
-    printed, logged = in_a_fresh_process(
-        "from vaswani_tx import one_source_beams; print(one_source_beams.load(sys.argv[1]))", tmp_path
+def test_a_library_of_another_torch_python_or_source_or_truncated_is_one_line_and_the_python_loop(
+    library_folder, tmp_path
+):
+    """Not loaded (in a fresh process, where nothing is loaded yet; none of these loads, so one process tries all):
+    one logged line each, and beam search keeps its Python loop."""
+    expected = {
+        "torch": "built for torch 0.0.0",
+        "python": "built for Python 0.0.0",
+        "source": "another version of its source",
+        "truncated": "not the one built (truncated or changed since)",
+    }
+    for case in expected:
+        folder = tmp_path / case
+        shutil.copytree(library_folder / one_source_beams.FOLDER, folder / one_source_beams.FOLDER)
+        if case == "truncated":
+            library = folder / one_source_beams.FOLDER / one_source_beams.LIBRARY
+            library.write_bytes(library.read_bytes()[:5000])  # loading it would end the process (SIGBUS)
+        else:
+            manifest = folder / one_source_beams.FOLDER / one_source_beams.MANIFEST
+            manifest.write_text(json.dumps({**json.loads(manifest.read_text()), case: "0.0.0"}))
+    statement = (
+        "from pathlib import Path; from vaswani_tx import one_source_beams as b, fast_decoding as f;"
+        f"print([b.load(Path(sys.argv[1]) / case) for case in {list(expected)!r}], f.beams_library())"
     )
-    assert printed == "False"
-    assert len(logged) == 1 and "truncated or changed since" in logged[0]
+    printed, logged = in_a_fresh_process(statement, tmp_path)
+    assert printed == "[False, False, False, False] None"
+    lines = [line for line in logged if "beam-search library" in line]
+    assert len(lines) == 4
+    for line, (case, words) in zip(lines, expected.items()):
+        assert case in line and words in line and "Python loop" in line, (case, line)
 
 
 def test_a_failing_compiler_is_one_line_and_writes_nothing(tmp_path, monkeypatch):
