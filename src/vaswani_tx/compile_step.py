@@ -184,7 +184,6 @@ def compile_decoder_steps(
         yield f"{error}: beam search over one source keeps its Python loop"
     else:
         yield f"wrote the beam-search library to {out} in {time.perf_counter() - start:.1f} s"
-        one_source_beams.load(folder)
     if int8:
         start = time.perf_counter()
         kernel = None

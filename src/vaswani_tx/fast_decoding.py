@@ -1513,6 +1513,27 @@ class _Entry:
         self.score, self.ids, self.finished = score, ids, finished
 
 
+def criteria_limits(stopping_criteria) -> tuple[int | None, set[int]]:
+    """The length limit (None: none) and the end-of-sentence ids of a one-source search's stopping criteria
+    (`one_source_applies`: those two kinds only)."""
+    max_length = min((c.max_length for c in stopping_criteria if type(c) is MaxLengthCriteria), default=None)
+    ends = {int(t) for c in stopping_criteria if type(c) is EosTokenCriteria for t in c.eos_token_id.reshape(-1)}
+    return max_length, ends
+
+
+def scored_step(session, tokens, first: bool, num_beams: int, logits_processor, columns: dict, row_ids):
+    """A one-source search's step (`one_source_search`, `native_search`): the k beams' log-probabilities (the first
+    step decoded once for all of them: `first_step`), through the processors, which get `row_ids()` (the beams' ids,
+    or a tensor of their shape where the processors read no more: `reads_shape_only`)."""
+    if first:
+        log_probs = first_step(session, tokens, num_beams, log_softmax=True)
+    else:
+        log_probs = session.step(tokens, log_softmax=True)
+    if len(logits_processor):
+        log_probs = process(logits_processor, row_ids(), log_probs, columns)
+    return log_probs
+
+
 def one_source_search(session, input_ids, logits_processor, stopping_criteria, generation_config, k2: int):
     """`beam_search` for one source, its bookkeeping in Python over the 2k candidates rather than in some 40 tensor
     operations a step on tensors of a dozen numbers (about 0.5 ms a step, as long as the decoder's step at a
@@ -1524,8 +1545,7 @@ def one_source_search(session, input_ids, logits_processor, stopping_criteria, g
     length_penalty = generation_config.length_penalty
     num_beams = generation_config.num_beams
     fill = output_fill(generation_config)
-    max_length = min((c.max_length for c in stopping_criteria if type(c) is MaxLengthCriteria), default=None)
-    ends = {int(t) for c in stopping_criteria if type(c) is EosTokenCriteria for t in c.eos_token_id.reshape(-1)}
+    max_length, ends = criteria_limits(stopping_criteria)
     device = input_ids.device
     prompt_len = cur_len = input_ids.shape[1]
     prompt = input_ids[0].tolist()
@@ -1536,16 +1556,14 @@ def one_source_search(session, input_ids, logits_processor, stopping_criteria, g
     needs_ids = not all(reads_shape_only(p) for p in logits_processor)
     shape_only = torch.empty((num_beams, generation_config.max_length), dtype=torch.long, device=device)
     columns, tokens = {}, input_ids
+
+    def row_ids() -> torch.Tensor:
+        if needs_ids:
+            return torch.tensor([entry.ids for entry in running], device=device)
+        return shape_only[:, :cur_len]
+
     while True:
-        if cur_len == prompt_len:
-            log_probs = first_step(session, tokens, num_beams, log_softmax=True)
-        else:
-            log_probs = session.step(tokens, log_softmax=True)
-        if len(logits_processor):
-            ids = (
-                torch.tensor([entry.ids for entry in running], device=device) if needs_ids else shape_only[:, :cur_len]
-            )
-            log_probs = process(logits_processor, ids, log_probs, columns)
+        log_probs = scored_step(session, tokens, cur_len == prompt_len, num_beams, logits_processor, columns, row_ids)
         width = log_probs.shape[-1]
         shift = torch.tensor([entry.score for entry in running], dtype=torch.float32, device=device)
         values, indices = one_source_largest(log_probs, k2, shift)
@@ -1602,10 +1620,7 @@ def native_search(session, input_ids, logits_processor, stopping_criteria, gener
     early_stopping = generation_config.early_stopping
     length_penalty = generation_config.length_penalty
     num_beams = generation_config.num_beams
-    max_length = min((c.max_length for c in stopping_criteria if type(c) is MaxLengthCriteria), default=None)
-    ends = sorted(
-        {int(t) for c in stopping_criteria if type(c) is EosTokenCriteria for t in c.eos_token_id.reshape(-1)}
-    )
+    max_length, ends = criteria_limits(stopping_criteria)
     device = input_ids.device
     prompt_len = input_ids.shape[1]
     # n ** length_penalty for n output tokens (the length penalty may be a float subclass with its own power:
@@ -1615,19 +1630,18 @@ def native_search(session, input_ids, logits_processor, stopping_criteria, gener
     best_length = longest - 1 if early_stopping == "never" and length_penalty > 0.0 else -1
     beams = beams_library().OneSourceBeams(
         input_ids[0].tolist(), num_beams, k2, penalties, early_stopping is True, best_length,
-        -1 if max_length is None else max_length, ends, BLOCK, BLOCK_TOP_K_MIN,
+        -1 if max_length is None else max_length, sorted(ends), BLOCK, BLOCK_TOP_K_MIN,
     )  # fmt: skip
     needs_ids = not all(reads_shape_only(p) for p in logits_processor)
     shape_only = torch.empty((num_beams, generation_config.max_length), dtype=torch.long, device=device)
-    columns, tokens, first = {}, input_ids, True
+    columns, tokens = {}, input_ids
+
+    def row_ids() -> torch.Tensor:
+        return beams.running_ids() if needs_ids else shape_only[:, : beams.cur_len]
+
     while True:
-        if first:
-            log_probs, first = first_step(session, tokens, num_beams, log_softmax=True), False
-        else:
-            log_probs = session.step(tokens, log_softmax=True)
-        if len(logits_processor):
-            ids = beams.running_ids() if needs_ids else shape_only[:, : beams.cur_len]
-            log_probs = process(logits_processor, ids, log_probs, columns)
+        first = beams.cur_len == prompt_len
+        log_probs = scored_step(session, tokens, first, num_beams, logits_processor, columns, row_ids)
         done, reorder, tokens = beams.advance(log_probs.contiguous())
         if done:
             return beams.result(generation_config.num_return_sequences, output_fill(generation_config)).to(device)

@@ -17,7 +17,6 @@ torch, a CPU without AVX512-VNNI, no compiler when compiling) the layers keep fb
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import platform
@@ -25,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from .atomic import atomic_folder
+from . import compiled_decoding, native
 from .compiled_decoding import (
     FEW_ROWS_MAX_INT8,
     ROWS_BUFFERS,
@@ -35,13 +34,12 @@ from .compiled_decoding import (
     read_library_manifest,
 )
 from .errors import UserInputError
-from .native import compile_library
 
 logger = logging.getLogger(__name__)
 
 FOLDER = "kernels"
 LIBRARY = "int8_rows.so"
-MANIFEST = "manifest.json"
+MANIFEST = compiled_decoding.MANIFEST  # what `native.build_into` writes beside the library
 SOURCE = Path(__file__).with_name("kernels") / "int8_rows.cpp"
 # Up to this many rows the int8 layers take the kernel: as many as the int8 few-rows step serves, so that the eager
 # int8 path and that step compute the same products. It beats fbgemm's at every layer of the main job's model and the
@@ -88,11 +86,9 @@ def build(folder: str | os.PathLike) -> Path:
     supported, why = cpu_supports()
     if not supported:
         raise UserInputError(f"no int8 few-rows kernel: {why}")
-    with atomic_folder(Path(folder) / FOLDER) as out:
-        compile_library(SOURCE, out / LIBRARY, "int8 few-rows kernel", COMPILE_FLAGS)
-        manifest = {**_manifest(), "library": file_sha256(out / LIBRARY)}
-        (out / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n", encoding="utf-8")
-    return Path(folder) / FOLDER
+    return native.build_into(
+        Path(folder) / FOLDER, SOURCE, LIBRARY, "int8 few-rows kernel", _manifest(), COMPILE_FLAGS
+    )
 
 
 def load(folder: str | os.PathLike) -> bool:

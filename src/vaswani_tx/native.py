@@ -15,8 +15,27 @@ from pathlib import Path
 
 import torch
 
-from .compiled_decoding import file_sha256
+from .atomic import atomic_folder
+from .compiled_decoding import MANIFEST, file_sha256
 from .errors import UserInputError
+
+
+def build_into(
+    target: Path,
+    source: Path,
+    library: str,
+    what: str,
+    manifest: dict,
+    flags: tuple[str, ...] = (),
+    python_module: str | None = None,
+) -> Path:
+    """Compile `source` into `target`/`library` (the folder replaced whole: `compile_library`), beside a manifest of
+    what it was built for (`manifest`) and the library's own sha256; returns `target`."""
+    with atomic_folder(target) as out:
+        compile_library(source, out / library, what, flags, python_module)
+        built = {**manifest, "library": file_sha256(out / library)}
+        (out / MANIFEST).write_text(json.dumps(built, indent=1) + "\n", encoding="utf-8")
+    return target
 
 
 def compile_library(

@@ -5,7 +5,7 @@ At a sentence a call the decoder's step is a fraction of a millisecond, and `one
 long again. The library does all of that in one call a step, with the same choices (fast_decoding.py's
 `one_source_search` says how they are made; `native_search` there drives it).
 
-    vaswani-tx compile MODEL         # builds MODEL/beam-search/ beside the compiled steps (about 30 s, g++)
+    vaswani-tx compile MODEL         # builds MODEL/beam-search/ beside the compiled steps (about 17 s, g++)
     from_pretrained(MODEL)           # loads it where its manifest fits; a sentence a call then decodes through it
 
 It is loaded where its manifest matches this torch, this Python and this source; anywhere else beam search keeps
@@ -14,12 +14,10 @@ its Python loop (one logged line), with the same results.
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
 from . import compiled_decoding, native
-from .atomic import atomic_folder
 
 # The library's names and its loading live with the compiled steps' (compiled_decoding.py travels with saved models).
 FOLDER, LIBRARY, MODULE = (
@@ -37,8 +35,6 @@ def build(folder: str | os.PathLike) -> Path:
 
     Raises:
         UserInputError: no C++ compiler could build it."""
-    with atomic_folder(Path(folder) / FOLDER) as out:
-        native.compile_library(SOURCE, out / LIBRARY, "beam-search library", python_module=MODULE)
-        built = {**manifest(), "library": compiled_decoding.file_sha256(out / LIBRARY)}
-        (out / MANIFEST).write_text(json.dumps(built, indent=1) + "\n", encoding="utf-8")
-    return Path(folder) / FOLDER
+    return native.build_into(
+        Path(folder) / FOLDER, SOURCE, LIBRARY, "beam-search library", manifest(), python_module=MODULE
+    )
