@@ -21,6 +21,8 @@ transformers, errors.py, fast_decoding.py and static_decoding.py only.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import copy
 import inspect
 import math
@@ -28,7 +30,9 @@ import math
 import torch
 from torch import nn
 from transformers import GenerationConfig, GenerationMixin
+from transformers.generation import logits_process
 from transformers.generation.logits_process import LogitsProcessor, LogitsProcessorList
+from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria, StoppingCriteriaList
 
 from .errors import UserInputError
 from .fast_decoding import beam_search, fast_decoding_applies, greedy_search, requested, unpacked_onednn_products
@@ -241,6 +245,9 @@ class VaswaniGenerationMixin(GenerationMixin):
         config = generation_config if generation_config is not None else self.generation_config
         check_generate_arguments(config, kwargs, inputs)
         fast = kwargs.pop("fast_decoding", None)
+        # a sentence a call with settings met before: generate()'s set-up as it was made then (`PreparedCall`)
+        key = prepared_call_key(self, inputs, generation_config, logits_processor, kwargs, fast)
+        cap = None
         penalty_type = kwargs.pop("length_penalty_type", getattr(config, "length_penalty_type", "hf"))
         offset_given = kwargs.get("max_output_length_offset") is not None
         cap_given = kwargs.get("max_len_b") is not None
@@ -292,10 +299,17 @@ class VaswaniGenerationMixin(GenerationMixin):
             kwargs["max_length"] = prefix + int(limits.max())
             cap = SourceLengthCap(limits, self.config.eos_token_id, score_forced_eos=fairseq_cap)
             logits_processor = LogitsProcessorList([*(logits_processor or []), cap])
-        with requested(fast):
-            return super().generate(
+        if key is not None:
+            prepared = self.__dict__.get("_prepared_calls", {}).get(key)
+            if prepared is not None and prepared.holds(self, cap):
+                return prepared(self, kwargs["input_ids"], kwargs.get("attention_mask"), cap, kwargs.get("max_length"))
+        with requested(fast), capturing(key) as captured:
+            result = super().generate(
                 inputs, generation_config=generation_config, logits_processor=logits_processor, **kwargs
             )
+        if captured:
+            PreparedCall.keep(self, key, captured, cap)
+        return result
 
     def _prepare_text_encoder_decoder_kwargs_for_generation(
         self, inputs_tensor: torch.Tensor, model_kwargs: dict, model_input_name: str | None, generation_config
@@ -321,6 +335,7 @@ class VaswaniGenerationMixin(GenerationMixin):
         """Greedy search through fast_decoding.py's loop where it applies (the same ids, faster); sampling and
         anything that asks for more than the sequences through transformers' `_sample`."""
         if fast_decoding_applies(self, generation_config, model_kwargs, streamer, synced_gpus):
+            captured(greedy_search, input_ids, logits_processor, stopping_criteria, generation_config, model_kwargs)
             return greedy_search(self, input_ids, logits_processor, stopping_criteria, generation_config, model_kwargs)
         return super()._sample(
             input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus, streamer, **model_kwargs
@@ -332,6 +347,7 @@ class VaswaniGenerationMixin(GenerationMixin):
     ):
         """Beam search through fast_decoding.py's loop where it applies, else transformers' `_beam_search`."""
         if fast_decoding_applies(self, generation_config, model_kwargs, None, synced_gpus):
+            captured(beam_search, input_ids, logits_processor, stopping_criteria, generation_config, model_kwargs)
             return beam_search(self, input_ids, logits_processor, stopping_criteria, generation_config, model_kwargs)
         return super()._beam_search(
             input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus, **model_kwargs
@@ -380,3 +396,177 @@ class VaswaniGenerationMixin(GenerationMixin):
         if input_ids is not None and input_ids.dtype == torch.long:
             return input_ids.ne(self.config.pad_token_id).sum(-1).long()
         return None
+
+
+# --- a sentence a call: generate()'s set-up once per settings -----------------------------------------------------
+
+# The processors generate() makes from a generation config that act the same for every source of a call without a
+# decoder prefix: they read the generation config and the decoder's rows only (not the source, not the length limit).
+# A call that meets any other gets transformers' whole set-up each time.
+SAME_FOR_EVERY_SOURCE = (
+    logits_process.MinLengthLogitsProcessor,
+    logits_process.MinNewTokensLengthLogitsProcessor,
+    logits_process.NoBadWordsLogitsProcessor,
+    logits_process.SuppressTokensLogitsProcessor,
+    logits_process.SuppressTokensAtBeginLogitsProcessor,
+    logits_process.NoRepeatNGramLogitsProcessor,
+    logits_process.RepetitionPenaltyLogitsProcessor,
+    logits_process.ForcedBOSTokenLogitsProcessor,
+    logits_process.InfNanRemoveLogitsProcessor,
+    logits_process.LogitNormalization,
+)
+# Kept for the length limit of each call (a copy with that limit): `ForcedEOSTokenLogitsProcessor`, the criteria's own.
+WITH_THE_LIMIT = (logits_process.ForcedEOSTokenLogitsProcessor, MaxLengthCriteria)
+PREPARED_CALLS_KEPT = 8  # settings a model keeps (a service asks for one or two)
+# The model inputs the fast loops are given by generate() (its cache, empty, is the loops' to ignore)
+MODEL_INPUTS_PREPARED = {"attention_mask", "encoder_outputs", CACHE_FIELD, "past_key_values", "use_cache"}
+_PLAIN = (bool, int, float, str, type(None))
+
+_CAPTURE: contextvars.ContextVar = contextvars.ContextVar("prepared_call_capture", default=None)
+
+
+def prepared_call_key(model, inputs, generation_config, logits_processor, kwargs: dict, fast) -> tuple | None:
+    """The settings of a `generate()` call that `PreparedCall` can serve, as a key, or None: one source on the CPU
+    as `input_ids` (and its `attention_mask`), every other argument a plain value (a number, a string, None), the
+    model's own generation config, no processors of the caller's and fast decoding not refused."""
+    ids = kwargs.get("input_ids")
+    if inputs is not None or generation_config is not None or logits_processor is not None or fast is False:
+        return None
+    if type(ids) is not torch.Tensor or ids.dim() != 2 or ids.shape[0] != 1 or ids.device.type != "cpu":
+        return None
+    mask = kwargs.get("attention_mask")
+    if mask is not None and (type(mask) is not torch.Tensor or mask.shape != ids.shape):
+        return None
+    settings = []
+    for name, value in kwargs.items():
+        if name not in ("input_ids", "attention_mask"):
+            if type(value) not in _PLAIN:
+                return None
+            settings.append((name, type(value), value))
+    return (ids.dtype, mask is None, model.training, fast, tuple(sorted(settings, key=lambda item: item[0])))
+
+
+@contextlib.contextmanager
+def capturing(key):
+    """While transformers' generate() runs for a call with a `prepared_call_key`: what it hands the fast loop
+    (`captured`), as a list of at most one entry."""
+    if key is None:
+        yield None
+        return
+    found: list = []
+    token = _CAPTURE.set(found)
+    try:
+        yield found
+    finally:
+        _CAPTURE.reset(token)
+
+
+def captured(search, input_ids, logits_processor, stopping_criteria, generation_config, model_kwargs) -> None:
+    """Note what generate() made for this call, where a `capturing` block asks."""
+    found = _CAPTURE.get()
+    if found is not None and not found:
+        shape = tuple(input_ids.shape)
+        found.append((search, shape, logits_processor, stopping_criteria, generation_config, set(model_kwargs)))
+
+
+def _plain(value) -> bool:
+    if isinstance(value, (list, tuple)):
+        return all(map(_plain, value))
+    if isinstance(value, dict):
+        return all(_plain(key) and _plain(item) for key, item in value.items())
+    return type(value) in _PLAIN or isinstance(value, float)
+
+
+class PreparedCall:
+    """generate()'s set-up for one source, made once per settings and kept by the model: a sentence a call (a
+    service, `translate` line by line) gets the same generation config, processors and stopping criteria
+    as the first call with those settings got from transformers' `generate()`, their length limit the call's own,
+    and the same encoder pass, decoder prefix and search. transformers' set-up (the generation config's deep copy and
+    checks, the processors' and criteria's making, the cache's) is some 1.4 ms of a 13 ms sentence on 2 cores (int8,
+    one thread; docs/speed.md). Kept while the model's generation config and the config's special tokens are those
+    they were (compared at each call); any other call, or a setting outside `SAME_FOR_EVERY_SOURCE`, gets
+    transformers' whole set-up."""
+
+    def __init__(self, model, found, cap) -> None:
+        self.search, _, processors, criteria, self.generation_config, _ = found
+        self.processors, self.criteria = list(processors), list(criteria)
+        self.cap_at = next((i for i, p in enumerate(self.processors) if p is cap), None)
+        self.config_object = model.generation_config
+        self.config_values = copy.deepcopy(model.generation_config.__dict__)
+        self.model_config = _special_tokens(model)
+
+    @classmethod
+    def keep(cls, model, key, found: list, cap) -> None:
+        """Keep the call's set-up for its settings where every part of it is the same for every source."""
+        search, shape, processors, criteria, generation_config, inputs = found[0]
+        rows = max(generation_config.num_beams, generation_config.num_return_sequences)
+        limit = generation_config.max_length
+        if shape != (rows, 1) or not inputs <= MODEL_INPUTS_PREPARED or hasattr(model, "hf_device_map"):
+            return
+        if any(p is not cap and type(p) not in SAME_FOR_EVERY_SOURCE + WITH_THE_LIMIT for p in processors):
+            return
+        if any(type(c) not in (MaxLengthCriteria, EosTokenCriteria) for c in criteria):
+            return
+        if any(type(x) in WITH_THE_LIMIT and x.max_length != limit for x in (*processors, *criteria)):
+            return
+        if not _plain(model.generation_config.__dict__):
+            return
+        calls = model.__dict__.setdefault("_prepared_calls", {})
+        while len(calls) >= PREPARED_CALLS_KEPT:
+            calls.pop(next(iter(calls)))
+        calls[key] = cls(model, found[0], cap)
+
+    def holds(self, model, cap) -> bool:
+        """Whether the model's generation config and special tokens are still those of the set-up."""
+        if model.generation_config is not self.config_object or (cap is None) != (self.cap_at is None):
+            return False
+        try:
+            return (
+                model.generation_config.__dict__ == self.config_values and _special_tokens(model) == self.model_config
+            )
+        except RuntimeError:  # a tensor set since (compared element by element)
+            return False
+
+    def __call__(self, model, input_ids: torch.Tensor, attention_mask, cap, max_length: int | None):
+        config = copy.copy(self.generation_config)  # the call's own limit
+        if cap is not None:
+            config.max_length = max_length
+        processors = [_limited(p, config.max_length) for p in self.processors]
+        if cap is not None:
+            processors[self.cap_at] = cap
+        criteria = [_limited(c, config.max_length) for c in self.criteria]
+        # transformers' encoder pass, decoder prefix and beams, as generate() makes them
+        model_kwargs = {} if attention_mask is None else {"attention_mask": attention_mask}
+        encoder = model.get_encoder()
+        with unpacked_onednn_products(encoder, int(input_ids.numel())):
+            model_kwargs["encoder_outputs"] = encoder(
+                input_ids=input_ids,
+                **model_kwargs,
+                output_attentions=config.output_attentions,
+                output_hidden_states=config.output_hidden_states,
+                return_dict=True,
+            )
+        decoder_ids, model_kwargs = model._prepare_decoder_input_ids_for_generation(
+            1, "input_ids", model_kwargs, config._decoder_start_token_tensor, input_ids.device
+        )
+        decoder_ids, model_kwargs = model._expand_inputs_for_generation(
+            max(config.num_beams, config.num_return_sequences), True, decoder_ids, **model_kwargs
+        )
+        model_kwargs["use_cache"] = config.use_cache
+        return self.search(
+            model, decoder_ids, LogitsProcessorList(processors), StoppingCriteriaList(criteria), config, model_kwargs
+        )
+
+
+def _limited(part, max_length: int):
+    """A processor or criterion with the call's length limit (a copy), or the part itself where it has none."""
+    if type(part) not in WITH_THE_LIMIT:
+        return part
+    part = copy.copy(part)
+    part.max_length = max_length
+    return part
+
+
+def _special_tokens(model) -> tuple:
+    config = model.config
+    return (config.eos_token_id, config.pad_token_id, config.decoder_start_token_id, config.max_position_embeddings)
