@@ -6,18 +6,27 @@ Speed is measured by benchmarks/bench_speed.py and bench_translate.py, never ass
 
 from __future__ import annotations
 
+import copy
 import math
 import os
 import sys
 
 import pytest
 import torch
-from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
+from transformers import (
+    GenerationConfig,
+    GenerationMixin,
+    LogitsProcessor,
+    LogitsProcessorList,
+    MaxTimeCriteria,
+    StoppingCriteria,
+    StoppingCriteriaList,
+)
 
 from test_modeling import EOS, batch, tiny_model  # the model tests' tiny odd-sized model and padded batch
 from vaswani_tx import compiled_decoding, fast_decoding
 from vaswani_tx.errors import UserInputError
-from vaswani_tx.generation_vaswani import fairseq_generation_config
+from vaswani_tx.generation_vaswani import PreparedCall, fairseq_generation_config
 from vaswani_tx.modeling_vaswani import VaswaniForConditionalGeneration
 from vaswani_tx.quantization import quantize_int8
 
@@ -955,3 +964,102 @@ def test_the_screen_follows_the_weights(loops):
     assert torch.equal(fast, stock)
     assert fast_decoding.ScreenedArgmax.of(model, 1) is not screen
     assert fast_decoding.ScreenedArgmax.of(model, fast_decoding.SCREEN_MAX_ROWS + 1) is None  # packed there instead
+
+
+# --- a sentence a call: generate()'s set-up made once per settings (`PreparedCall`) -------------------------------
+
+
+@pytest.fixture
+def set_ups(monkeypatch):
+    """How many one-source calls got transformers' whole set-up, and how many the kept one (`PreparedCall`)."""
+    counts = {"transformers": 0, "kept": 0}
+    stock, kept = GenerationMixin.generate, PreparedCall.__call__
+
+    def counting_stock(self, *args, **kwargs):
+        counts["transformers"] += fast_decoding._REQUEST.get() is not False  # not `generate(fast_decoding=False)`
+        return stock(self, *args, **kwargs)
+
+    def counting_kept(self, *args, **kwargs):
+        counts["kept"] += 1
+        return kept(self, *args, **kwargs)
+
+    monkeypatch.setattr(GenerationMixin, "generate", counting_stock)
+    monkeypatch.setattr(PreparedCall, "__call__", counting_kept)
+    return counts
+
+
+PREPARED_SETTINGS = {
+    **{name: settings for name, settings in ONE_SOURCE_SETTINGS.items() if name != "prefix"},
+    "greedy": dict(num_beams=1),
+    "greedy-min": dict(num_beams=1, min_new_tokens=6, max_new_tokens=9),
+    "fairseq-cap": dict(num_beams=3, max_len_a=0.5, max_len_b=3),
+    "bad-words-forced-eos": dict(num_beams=2, bad_words_ids=[[7], [9, 11]], forced_eos_token_id=EOS, max_length=9),
+}
+
+
+@pytest.mark.parametrize("settings", PREPARED_SETTINGS.values(), ids=PREPARED_SETTINGS.keys())
+def test_a_sentence_a_call_reuses_generates_set_up_and_gives_the_same_ids(settings, set_ups):
+    """Sources of several lengths a call each, with the same settings: transformers' set-up once, then the kept one
+    with each source's own length limit; the ids of transformers' loops every time."""
+    model = eos_prone_model(seed=2)
+    sources = [batch(seed=seed, lengths=(2 + 3 * seed,)) for seed in range(5)]
+    for ids, mask in sources:
+        fast, stock = both(model, input_ids=ids, attention_mask=mask, **settings)
+        assert torch.equal(fast, stock), (ids.shape, fast, stock)
+    assert set_ups == {"transformers": 1, "kept": 4}
+    if "max_output_length_offset" in settings or "max_len_b" in settings:  # each its own limit: some reach it
+        assert len({output.shape[1] for output in (model.generate(input_ids=i, attention_mask=m, **settings)
+                                                   for i, m in sources)}) > 2  # fmt: skip
+
+
+def test_a_changed_generation_config_is_set_up_again(set_ups):
+    """The model's generation config changed (a field set, a list changed in place, the config replaced): the next
+    call is set up again by transformers, with the new settings."""
+    model = eos_prone_model(seed=4)
+    ids, mask = batch(seed=4, lengths=(6,))
+    model.generation_config.bad_words_ids = [[5]]
+
+    def check():
+        fast, stock = both(model, input_ids=ids, attention_mask=mask)
+        assert torch.equal(fast, stock)
+        return fast
+
+    first = check()
+    assert torch.equal(check(), first) and set_ups == {"transformers": 1, "kept": 1}
+    model.generation_config.num_beams = 2
+    check()
+    model.generation_config.bad_words_ids.append([int(first[0, 1])])  # in place: the first call's first token
+    banned = check()
+    assert int(banned[0, 1]) != int(first[0, 1])
+    model.generation_config = copy.deepcopy(model.generation_config)
+    check()
+    assert set_ups == {"transformers": 4, "kept": 1}
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        dict(logits_processor=LogitsProcessorList([EndsAt([3])])),  # a caller's processors
+        dict(decoder_input_ids=torch.tensor([[2, 7]])),  # a tensor argument
+        dict(fast_decoding=False),
+        dict(
+            generation_config=GenerationConfig(num_beams=2, max_length=9, decoder_start_token_id=2, eos_token_id=EOS)
+        ),
+        dict(encoder_no_repeat_ngram_size=2),  # a processor that reads the source
+        dict(stopping_criteria=StoppingCriteriaList([MaxTimeCriteria(60.0)])),
+    ],
+    ids=["processors", "prefix", "not-fast", "own-config", "reads-source", "criteria"],
+)
+def test_calls_that_differ_from_source_to_source_get_transformers_set_up_each_time(call):
+    model = eos_prone_model(seed=6)
+    for seed in range(3):
+        ids, mask = batch(seed=seed, lengths=(5 + seed,))
+        model.generate(input_ids=ids, attention_mask=mask, num_beams=2, **call)
+    assert not model.__dict__.get("_prepared_calls")
+
+
+def test_a_batch_of_sources_is_not_kept():
+    model = eos_prone_model(seed=6)
+    ids, mask = batch(seed=1)
+    model.generate(input_ids=ids, attention_mask=mask)
+    assert not model.__dict__.get("_prepared_calls")

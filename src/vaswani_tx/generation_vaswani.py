@@ -427,8 +427,9 @@ _CAPTURE: contextvars.ContextVar = contextvars.ContextVar("prepared_call_capture
 
 def prepared_call_key(model, inputs, generation_config, logits_processor, kwargs: dict, fast) -> tuple | None:
     """The settings of a `generate()` call that `PreparedCall` can serve, as a key, or None: one source on the CPU
-    as `input_ids` (and its `attention_mask`), every other argument a plain value (a number, a string, None), the
-    model's own generation config, no processors of the caller's and fast decoding not refused."""
+    as `input_ids` (and its `attention_mask`), every other argument a plain value (numbers, strings, None, lists and
+    dicts of them: `_plain`), the model's own generation config, no processors of the caller's and fast decoding not
+    refused."""
     ids = kwargs.get("input_ids")
     if inputs is not None or generation_config is not None or logits_processor is not None or fast is False:
         return None
@@ -440,9 +441,9 @@ def prepared_call_key(model, inputs, generation_config, logits_processor, kwargs
     settings = []
     for name, value in kwargs.items():
         if name not in ("input_ids", "attention_mask"):
-            if type(value) not in _PLAIN:
+            if not _plain(value, exact=True):
                 return None
-            settings.append((name, type(value), value))
+            settings.append((name, _frozen(value)))
     return (ids.dtype, mask is None, model.training, fast, tuple(sorted(settings, key=lambda item: item[0])))
 
 
@@ -469,12 +470,23 @@ def captured(search, input_ids, logits_processor, stopping_criteria, generation_
         found.append((search, shape, logits_processor, stopping_criteria, generation_config, set(model_kwargs)))
 
 
-def _plain(value) -> bool:
-    if isinstance(value, (list, tuple)):
-        return all(map(_plain, value))
-    if isinstance(value, dict):
-        return all(_plain(key) and _plain(item) for key, item in value.items())
-    return type(value) in _PLAIN or isinstance(value, float)
+def _plain(value, exact: bool = False) -> bool:
+    """Whether `value` is numbers, strings, None and lists, tuples and dicts of them (`exact`: of those types
+    themselves, not subclasses such as `GNMTLengthPenalty`)."""
+    if type(value) in (list, tuple):
+        return all(_plain(item, exact) for item in value)
+    if type(value) is dict:
+        return all(_plain(key, exact) and _plain(item, exact) for key, item in value.items())
+    return type(value) in _PLAIN or (not exact and isinstance(value, (int, float, str)))
+
+
+def _frozen(value):
+    """A plain value (`_plain`) as a key: its type beside it (True is not 1 here), lists and dicts as tuples."""
+    if type(value) in (list, tuple):
+        return (type(value), tuple(map(_frozen, value)))
+    if type(value) is dict:
+        return (dict, tuple((_frozen(key), _frozen(item)) for key, item in value.items()))
+    return (type(value), value)
 
 
 class PreparedCall:
