@@ -547,17 +547,11 @@ class PreparedCall:
         if cap is not None:
             processors[self.cap_at] = cap
         criteria = [_limited(c, config.max_length) for c in self.criteria]
-        # transformers' encoder pass, decoder prefix and beams, as generate() makes them
+        # the encoder pass, decoder prefix and beams by the methods generate() makes them with
         model_kwargs = {} if attention_mask is None else {"attention_mask": attention_mask}
-        encoder = model.get_encoder()
-        with unpacked_onednn_products(encoder, int(input_ids.numel())):
-            model_kwargs["encoder_outputs"] = encoder(
-                input_ids=input_ids,
-                **model_kwargs,
-                output_attentions=config.output_attentions,
-                output_hidden_states=config.output_hidden_states,
-                return_dict=True,
-            )
+        model_kwargs = model._prepare_text_encoder_decoder_kwargs_for_generation(
+            input_ids, model_kwargs, "input_ids", config
+        )
         decoder_ids, model_kwargs = model._prepare_decoder_input_ids_for_generation(
             1, "input_ids", model_kwargs, config._decoder_start_token_tensor, input_ids.device
         )
