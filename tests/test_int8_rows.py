@@ -73,6 +73,25 @@ def test_the_kernel_computes_its_quantization_exactly(kernel_folder, rows, in_fe
 
 
 @needs_kernel
+@pytest.mark.parametrize(
+    "shape", [(2, 3, 256), (70, 1024)], ids=["3-d input, strided", "more rows than the thread's kept buffer"]
+)
+def test_the_kernel_takes_any_layout_and_many_rows(kernel_folder, shape):
+    """An input that is not contiguous (copied first) keeps its leading dimensions in the output; a call whose
+    quantized rows outgrow the buffer each thread keeps (64 KiB) uses one of its own, with the same arithmetic."""
+    layer = quantized_linear(shape[-1], 40, bias=True)
+    int8_rows.attach_weights(layer)
+    weight, bias_tensor = layer._packed_params._weight_bias()
+    x = torch.randn(*shape[:-1], 2 * shape[-1])[..., ::2] * 3  # every other column: a strided view
+    ours = int8_rows.linear(layer, x)
+    assert ours.shape == (*shape[:-1], 40)
+    expected = python_reference(x.reshape(-1, shape[-1]), weight, bias_tensor).reshape(*shape[:-1], 40)
+    torch.testing.assert_close(ours, expected, rtol=1e-6, atol=1e-5)
+    # a small call after the large one reads the kept buffer again
+    torch.testing.assert_close(int8_rows.linear(layer, x[:1]), expected[:1], rtol=1e-6, atol=1e-5)
+
+
+@needs_kernel
 def test_int8_layers_take_the_kernel_up_to_few_rows_and_their_own_kernel_past_them(kernel_folder, tmp_path):
     """A model quantized from a folder with the kernel: every int8 layer has its weights for it, a product of up to
     `FEW_ROWS` rows is the kernel's (3-D inputs too), one of more rows the layer's fbgemm kernel, as before."""
