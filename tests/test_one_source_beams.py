@@ -8,6 +8,7 @@ Speed is measured by benchmarks/bench_translate.py (`--one-at-a-time`), never as
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import sys
 
@@ -78,6 +79,34 @@ def test_exact_ties_and_each_top_k_path_go_as_in_python(vocab_size, paths):
         native = paths(True, model.generate, **kwargs)
         assert torch.equal(native, paths(False, model.generate, **kwargs)), seed
     assert paths.taken.count("native_search") == 12
+
+
+class MasksBlocks:
+    """Sets whole blocks of 64 columns (and, from the third step, one score of the second beam) to -inf, and one
+    score to NaN: the library's own block maxima must choose as ATen's amax does (NaN propagates, an all -inf block
+    has maximum -inf)."""
+
+    def __init__(self, nan: bool):
+        self.nan = nan
+
+    def __call__(self, input_ids, scores):
+        scores[:, 64:192] = -math.inf
+        scores[1:, 300] = -math.inf
+        if self.nan and input_ids.shape[1] == 3:
+            scores[2, 77] = math.nan
+        return scores
+
+
+@pytest.mark.parametrize("nan", [False, True], ids=["masked blocks", "masked blocks and a NaN"])
+def test_masked_and_nan_scores_choose_as_in_python(nan, paths):
+    model = tiny_model(seed=2, vocab_size=64 * 70)
+    for seed in range(4):
+        ids, mask = batch(seed=seed, lengths=(4 + seed,), vocab=500)
+        processors = LogitsProcessorList([MasksBlocks(nan)])
+        kwargs = dict(input_ids=ids, attention_mask=mask, num_beams=6, max_new_tokens=8, logits_processor=processors)
+        native = paths(True, model.generate, **kwargs)
+        assert torch.equal(native, paths(False, model.generate, **kwargs)), seed
+    assert paths.taken.count("native_search") == 4
 
 
 def test_sentences_ending_early_under_a_processor_that_reads_ids(paths):

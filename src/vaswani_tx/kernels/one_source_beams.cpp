@@ -10,8 +10,13 @@
 // loop rounds it (which is where transformers' float32 tensors do).
 #include <ATen/ATen.h>
 #include <torch/csrc/utils/pybind.h>
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
 
 #include <algorithm>
+#include <cmath>
+#include <limits>
 #include <cstring>
 #include <cstdint>
 #include <vector>
@@ -33,6 +38,39 @@ std::vector<int64_t> top(const std::vector<float>& scores, int64_t k) {
   auto indices = std::get<1>(at::topk(values, k)).contiguous();
   const int64_t* data = indices.data_ptr<int64_t>();
   return std::vector<int64_t>(data, data + k);
+}
+
+// maxima[r * blocks + b] = max(scores[r, b * block : (b + 1) * block]) + shift[r] over the whole blocks of each of the m
+// rows of width blocks * block (ATen's amax and add: a NaN in a block makes its maximum NaN).
+void block_maxima(const float* scores, int64_t m, int64_t blocks, int64_t block, const float* shift, float* maxima) {
+  for (int64_t r = 0; r < m; ++r) {
+    for (int64_t b = 0; b < blocks; ++b) {
+      const float* from = scores + (r * blocks + b) * block;
+      float largest = -std::numeric_limits<float>::infinity();
+      bool nan = false;
+      int64_t j = 0;
+#if defined(__SSE2__)
+      if (block >= 4) {
+        __m128 most = _mm_loadu_ps(from), unordered = _mm_setzero_ps();
+        for (j = 4; j + 4 <= block; j += 4) {
+          const __m128 v = _mm_loadu_ps(from + j);
+          unordered = _mm_or_ps(unordered, _mm_cmpunord_ps(v, v));
+          most = _mm_max_ps(most, v);
+        }
+        unordered = _mm_or_ps(unordered, _mm_cmpunord_ps(most, most));
+        nan = _mm_movemask_ps(unordered) != 0;
+        alignas(16) float four[4];
+        _mm_store_ps(four, most);
+        for (float v : four) largest = v > largest ? v : largest;
+      }
+#endif
+      for (; j < block; ++j) {
+        nan = nan || std::isnan(from[j]);
+        largest = from[j] > largest ? from[j] : largest;
+      }
+      maxima[r * blocks + b] = (nan ? std::numeric_limits<float>::quiet_NaN() : largest) + shift[r];
+    }
+  }
 }
 
 class OneSourceBeams {
@@ -175,13 +213,35 @@ class OneSourceBeams {
       auto [values, indices] = largest_any(scores, shift);
       return {as_vector<float>(values.to(at::kFloat)), as_vector<int64_t>(indices)};
     }
-    auto maxima = scores.reshape({m, blocks, block_}).amax(-1);
-    maxima += shift.unsqueeze(1);
-    auto chosen = std::get<1>(at::topk(maxima.view({1, m * blocks}), k2_))[0];
-    auto values = scores.view({m * blocks, block_}).index_select(0, chosen);
-    values.add_(shift.index_select(0, chosen.div(blocks, "floor")).unsqueeze(1));
+    at::Tensor maxima, values;
+    std::vector<int64_t> chosen_;
+    if (scores.scalar_type() == at::kFloat && shift.scalar_type() == at::kFloat) {
+      // The same numbers by hand: ATen's amax over (m, blocks, 64) took 15 us of a 6 x 8,000 step, its index_select
+      // and add a few more (a maximum is exact, and each sum is the same float32 addition)
+      const float* data = scores.data_ptr<float>();
+      const float* shifts = shift.data_ptr<float>();
+      maxima = at::empty({m * blocks}, scores.options());
+      block_maxima(data, m, blocks, block_, shifts, maxima.data_ptr<float>());
+      auto chosen = std::get<1>(at::topk(maxima.view({1, m * blocks}), k2_))[0].contiguous();
+      values = at::empty({k2_ * block_}, scores.options());
+      float* out = values.data_ptr<float>();
+      const int64_t* picked_blocks = chosen.data_ptr<int64_t>();
+      for (int64_t i = 0; i < k2_; ++i) {
+        const float* from = data + picked_blocks[i] * block_;
+        const float add = shifts[picked_blocks[i] / blocks];
+        for (int64_t j = 0; j < block_; ++j) out[i * block_ + j] = from[j] + add;
+      }
+      chosen_ = as_vector<int64_t>(chosen);
+    } else {
+      maxima = scores.reshape({m, blocks, block_}).amax(-1);
+      maxima += shift.unsqueeze(1);
+      auto chosen = std::get<1>(at::topk(maxima.view({1, m * blocks}), k2_))[0];
+      values = scores.view({m * blocks, block_}).index_select(0, chosen);
+      values.add_(shift.index_select(0, chosen.div(blocks, "floor")).unsqueeze(1));
+      chosen_ = as_vector<int64_t>(chosen);
+    }
     auto [best, picked] = at::topk(values.view({-1}), k2_);
-    const auto chosen_ = as_vector<int64_t>(chosen), picked_ = as_vector<int64_t>(picked);
+    const auto picked_ = as_vector<int64_t>(picked);
     std::vector<int64_t> indices;
     for (int64_t i : picked_) indices.push_back(chosen_[i / block_] * block_ + i % block_);
     return {as_vector<float>(best.to(at::kFloat)), indices};
