@@ -161,6 +161,29 @@ def test_source_padding_does_not_change_real_positions(attn):
     torch.testing.assert_close(a.logits, b.logits, rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_a_mask_of_ones_is_no_mask_to_the_encoder(attn):
+    """A source without padding (a sentence a call): the encoder skips its mask of ones, with the same output as
+    the masked path (a mask of zeros added to every score) to the last bit, and the same attention weights."""
+    from vaswani_tx.skip_padding import PaddingPlan
+
+    model = tiny_model(attn_implementation=attn)
+    ids, mask = batch(lengths=(6, 6))
+    encoder = model.get_encoder()
+    masked_path = PaddingPlan.build(model.config, source_mask=mask)  # passed in: the mask is used as given
+    with torch.no_grad():
+        a = encoder(input_ids=ids, attention_mask=mask, output_attentions=True)
+        b = encoder(input_ids=ids, attention_mask=mask, output_attentions=True, padding=masked_path)
+        c = encoder(input_ids=ids, output_attentions=True)
+    assert torch.equal(a.last_hidden_state, b.last_hidden_state)
+    assert torch.equal(a.last_hidden_state, c.last_hidden_state)
+    for x, y in zip(a.attentions, b.attentions):
+        assert torch.equal(x, y)
+    with torch.no_grad():  # without the weights: the SDPA kernel where the model takes it
+        plain = encoder(input_ids=ids, attention_mask=mask).last_hidden_state
+        assert torch.equal(plain, encoder(input_ids=ids, attention_mask=mask, padding=masked_path).last_hidden_state)
+
+
 def padded_training_batch():
     """Source padding, target padding after the last label, a label masked mid-sentence, a row with no
     real source and a row with no labels at all."""

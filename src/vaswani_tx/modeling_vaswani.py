@@ -151,6 +151,11 @@ def positional_encoding(config: VaswaniConfig) -> nn.Module:
 # ---------------------------------------------------------------------------------------------------
 
 
+def unpadded_on_cpu(key_mask: torch.Tensor | None) -> bool:
+    """Whether `key_mask` (B, S) is a CPU tensor of ones only (no padding), so that it masks nothing."""
+    return key_mask is not None and key_mask.device.type == "cpu" and bool(key_mask.all())
+
+
 def additive_mask(
     key_mask: torch.Tensor | None, query_length: int, key_length: int, causal: bool, dtype: torch.dtype
 ) -> torch.Tensor | None:
@@ -472,6 +477,11 @@ class Encoder(nn.Module):
         check_mask(attention_mask, source, "attention_mask", "input_ids")
         output_attentions = bool(output_attentions)
         return_dict = self.config.return_dict if return_dict is None else return_dict
+        if padding is None and unpadded_on_cpu(attention_mask):
+            # Nothing is padding (a sentence a call): the same attention as no mask at all, without building a
+            # mask of zeros, adding it to every score and planning which positions to skip (about 0.1 ms of a
+            # sentence's 1 ms encoder on the CPU). Only on the CPU, where asking costs no synchronisation.
+            attention_mask = None
 
         if padding is None:
             padding = PaddingPlan.build(self.config, source_mask=attention_mask)
