@@ -92,22 +92,27 @@ def test_the_kernel_takes_any_layout_and_many_rows(kernel_folder, shape):
 
 
 @needs_kernel
-def test_int8_layers_take_the_kernel_up_to_few_rows_and_their_own_kernel_past_them(kernel_folder, tmp_path):
+def test_int8_layers_take_the_kernel_up_to_few_rows_and_their_own_kernel_past_them(
+    kernel_folder, tmp_path, monkeypatch
+):
     """A model quantized from a folder with the kernel: every int8 layer has its weights for it, a product of up to
-    `FEW_ROWS` rows is the kernel's (3-D inputs too), one of more rows the layer's fbgemm kernel, as before."""
+    `FEW_ROWS` rows is the kernel's (3-D inputs too), one of more rows the layer's fbgemm kernel, as before; a large
+    layer (more than `LARGE_LAYER` weights: made small here) takes it up to the few-rows step's 16 rows only."""
     model = VaswaniForConditionalGeneration(_tiny_config())
     model.save_pretrained(tmp_path / "model")
     shutil.copytree(kernel_folder / int8_rows.FOLDER, tmp_path / "model" / int8_rows.FOLDER)
+    monkeypatch.setattr(int8_rows, "LARGE_LAYER", 40 * 32 - 1)  # the tiny model's pre-softmax projection (32 -> 40)
     quantized = quantize_int8(VaswaniForConditionalGeneration.from_pretrained(tmp_path / "model"))
     layers = [module for module in quantized.modules() if type(module) is Int8Linear]
     assert layers and all("rows_packed" in module._buffers for module in layers)
-    layer = layers[0]
-    weight, bias = layer._packed_params._weight_bias()
-    few = torch.randn(2, int8_rows.FEW_ROWS // 2, layer.in_features)
-    torch.testing.assert_close(layer(few), python_reference(few, weight, bias), rtol=1e-6, atol=1e-5)
-    many = torch.randn(int8_rows.FEW_ROWS + 1, layer.in_features)
-    fbgemm = torch.ops.quantized.linear_dynamic(many, layer._packed_params._packed_params, True)
-    assert torch.equal(layer(many), fbgemm)
+    for layer, limit in ((layers[0], int8_rows.FEW_ROWS), (quantized.get_output_embeddings(), 16)):
+        assert int8_rows.rows_limit(layer) == limit
+        weight, bias = layer._packed_params._weight_bias()
+        few = torch.randn(2, limit // 2, layer.in_features)
+        torch.testing.assert_close(layer(few), python_reference(few, weight, bias), rtol=1e-6, atol=1e-5)
+        many = torch.randn(limit + 1, layer.in_features)
+        fbgemm = torch.ops.quantized.linear_dynamic(many, layer._packed_params._packed_params, True)
+        assert torch.equal(layer(many), fbgemm)
     ids = torch.tensor([[5, 6, 7, 8, 3]])
     out = quantized.generate(input_ids=ids, num_beams=3, max_new_tokens=6)
     assert out.shape[0] == 1 and out.shape[1] <= 7

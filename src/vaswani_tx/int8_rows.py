@@ -8,7 +8,7 @@ reads each 64-byte block of the weights once for all the rows. The weights are t
 scales, repacked.
 
     vaswani-tx compile MODEL         # builds MODEL/kernels/int8_rows.so beside the int8 step (about 10 s, g++)
-    quantize_int8(model)             # a model loaded from MODEL: its int8 layers take the kernel at up to FEW_ROWS rows
+    quantize_int8(model)             # a model loaded from MODEL: its int8 layers take the kernel at up to 32 rows
 
 The library is built with the C++ compiler for this torch (`torch.utils.cpp_extension`'s headers and libraries)
 and loaded where its manifest matches: this torch, this source, a CPU with the instructions. Anywhere else (another
@@ -41,12 +41,23 @@ FOLDER = "kernels"
 LIBRARY = "int8_rows.so"
 MANIFEST = compiled_decoding.MANIFEST  # what `native.build_into` writes beside the library
 SOURCE = Path(__file__).with_name("kernels") / "int8_rows.cpp"
-# Up to this many rows the int8 layers take the kernel: as many as the int8 few-rows step serves, so that the eager
-# int8 path and that step compute the same products. It beats fbgemm's at every layer of the main job's model and the
-# base shape up to 8 rows (one thread, AMD EPYC Zen 4, fbgemm's time over the kernel's: 1.08-2.90x at 1 row,
-# 1.15-2.27x at 6, 1.09-2.02x at 8, 0.96-1.61x at 16, 0.92-1.26x at 32; `benchmarks/bench_int8_kernels.py
-# --rows-kernel`, docs/speed.md), and the step, which calls it from its library without Python, up to 16.
-FEW_ROWS = FEW_ROWS_MAX_INT8
+# Up to this many rows the int8 layers take the kernel: at least as many as the int8 few-rows step serves
+# (FEW_ROWS_MAX_INT8), so that the eager int8 path and that step compute the same products, and as many as the kernel
+# stays ahead of fbgemm's there. Since the kernel allocates nothing but its output, fbgemm's time over the kernel's is
+# 2.2-3.1x at 1 row, 1.8-2.5x at 6, 1.1-1.7x at 24 and 32 rows at every layer of the main job's model and the base
+# shape but the base shape's pre-softmax projection, 0.84-0.95x there from 12 rows (one thread, AMD EPYC Zen 4,
+# `benchmarks/bench_int8_kernels.py --rows-kernel`, docs/speed.md). 17-32 rows: a sentence of that many tokens
+# through the encoder, a few sources' beams.
+FEW_ROWS = 32
+# A layer with more weights than this takes the kernel up to FEW_ROWS_MAX_INT8 rows only (512 x 37,000 above).
+LARGE_LAYER = 1 << 23
+
+
+def rows_limit(module: torch.nn.Module) -> int:
+    """The most rows of a product the kernel takes for this int8 layer (`FEW_ROWS`, fewer for a large one)."""
+    return FEW_ROWS_MAX_INT8 if module.in_features * module.out_features > LARGE_LAYER else FEW_ROWS
+
+
 # The instructions the library is compiled for (gcc's names) and the /proc/cpuinfo flags that say a CPU has them.
 COMPILE_FLAGS = ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni")
 CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")
@@ -135,6 +146,7 @@ def attach_weights(module: torch.nn.Module) -> None:
     tensors += (None if bias is None else bias.detach().float().contiguous(),)
     for name, tensor in zip(ROWS_BUFFERS, tensors):
         module.register_buffer(name, tensor, persistent=False)
+    module.rows_kernel_elements = rows_limit(module) * module.in_features  # Int8Linear.forward's test, precomputed
 
 
 def linear(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:

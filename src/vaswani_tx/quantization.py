@@ -122,8 +122,9 @@ class Int8Linear(DynamicQuantizedLinear):
     value), not bit for bit.
 
     Where the model's folder has the int8 few-rows kernel (int8_rows.py), products of up to
-    `int8_rows.FEW_ROWS` rows are the kernel's, on the same int8 weights: one activation scale a row, not one
-    a call, so those too agree with the others to within the quantization's own error."""
+    `int8_rows.rows_limit` rows (32, 16 for a large layer) are the kernel's, on the same int8 weights: one
+    activation scale a row, not one a call, so those too agree with the others to within the quantization's own
+    error."""
 
     _kernel = torch.ops.quantized.linear_dynamic.default
     # Where oneDNN overtakes fbgemm on one thread (bench_int8_kernels.py, docs/speed.md): at the base shape's layers
@@ -135,12 +136,14 @@ class Int8Linear(DynamicQuantizedLinear):
     many_rows = MANY_ROWS  # this layer's (`quantize_int8` sets it by CPU and layer)
     many_rows_params = None
     # Where the model's folder has the int8 few-rows kernel (int8_rows.py), its copy of the same int8 weights
-    # (`int8_rows.attach_weights`'s buffers) takes products of up to `int8_rows.FEW_ROWS` rows, the activations
+    # (`int8_rows.attach_weights`'s buffers) takes products of up to `int8_rows.rows_limit` rows, the activations
     # quantized a row at a time; and every product while a step that calls it is exported (`rows_calls`).
     rows_always = False
 
+    rows_kernel_elements = 0  # inputs of up to this many elements take the kernel (`int8_rows.attach_weights`)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if "rows_packed" in self._buffers and (x.numel() <= int8_rows.FEW_ROWS * self.in_features or self.rows_always):
+        if "rows_packed" in self._buffers and (x.numel() <= self.rows_kernel_elements or self.rows_always):
             return int8_rows.linear(self, x)
         if self.many_rows_params is not None and x.numel() >= self.many_rows * self.in_features:
             return self._kernel(x, self.many_rows_params, True)
