@@ -87,7 +87,10 @@ def rows_kernel(args) -> None:
             cells.append(statistics.median(a / b for a, b in pairs))
             six = statistics.median(b for _, b in pairs) if rows == 6 else six
         print(f"{inputs:>5} x {outputs:<5} " + " ".join(f"{c:6.2f}" for c in cells) + f"   {six * 1e6:8.1f} us")
-    print(f"int8_rows.FEW_ROWS = {int8_rows.FEW_ROWS}: the kernel takes products of up to that many rows")
+    print(
+        f"int8_rows.FEW_ROWS = {int8_rows.FEW_ROWS}: the kernel takes products of up to that many rows "
+        f"(a layer of more than {int8_rows.LARGE_LAYER:,} weights: {int8_rows.FEW_ROWS_MAX_INT8})"
+    )
 
 
 def main() -> None:

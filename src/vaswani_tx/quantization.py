@@ -21,8 +21,9 @@ pre-softmax projection, while fbgemm's stay faster on a few rows; without AMX (A
 32 rows at the pre-softmax projection only, and the other layers keep fbgemm's below 384 rows (docs/speed.md,
 benchmarks/bench_int8_kernels.py).
 On CPUs with AVX512-VNNI, where the model's folder holds the int8 few-rows kernel (`vaswani-tx compile`, int8_rows.py),
-products of up to 16 rows are that kernel's instead, on the same int8 weights with the activations quantized a row
-at a time (a sentence a call, beam search over one source: 1.2-2.3x fbgemm's speed at 6 rows, docs/speed.md).
+products of up to 32 rows (16 for a layer of more than 8M weights) are that kernel's instead, on the same int8
+weights with the activations quantized a row at a time (a sentence a call, beam search over one source: 1.2-2.5x
+fbgemm's speed at 6 rows, 1.1-1.7x at 24-32, docs/speed.md).
 The quantized model is for inference only (no gradients) and is not saved with ``save_pretrained``:
 quantize after loading. ``benchmarks/bench_int8_bleu.py`` measures what int8 costs in BLEU and
 gains in speed against the float32 model.
