@@ -82,9 +82,9 @@ def test_exact_ties_and_each_top_k_path_go_as_in_python(vocab_size, paths):
 
 
 class MasksBlocks:
-    """Sets whole blocks of 64 columns (and, from the third step, one score of the second beam) to -inf, and one
-    score to NaN: the library's own block maxima must choose as ATen's amax does (NaN propagates, an all -inf block
-    has maximum -inf)."""
+    """Sets whole blocks of 64 columns (and one score of every beam but the first) to -inf, and at the third step
+    two scores to NaN (one of them a block's first): the library's own block maxima must choose as ATen's amax does
+    (NaN propagates, an all -inf block has maximum -inf)."""
 
     def __init__(self, nan: bool):
         self.nan = nan
@@ -94,6 +94,7 @@ class MasksBlocks:
         scores[1:, 300] = -math.inf
         if self.nan and input_ids.shape[1] == 3:
             scores[2, 77] = math.nan
+            scores[4, 64 * 5] = math.nan  # a block's first column
         return scores
 
 

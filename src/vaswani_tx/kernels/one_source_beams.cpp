@@ -51,13 +51,14 @@ void block_maxima(const float* scores, int64_t m, int64_t blocks, int64_t block,
       int64_t j = 0;
 #if defined(__SSE2__)
       if (block >= 4) {
-        __m128 most = _mm_loadu_ps(from), unordered = _mm_setzero_ps();
+        // (each vector's NaNs are noted as it is read: _mm_max_ps gives its second operand where either is NaN, so
+        // a NaN of the running maximum does not survive the next vector)
+        __m128 most = _mm_loadu_ps(from), unordered = _mm_cmpunord_ps(most, most);
         for (j = 4; j + 4 <= block; j += 4) {
           const __m128 v = _mm_loadu_ps(from + j);
           unordered = _mm_or_ps(unordered, _mm_cmpunord_ps(v, v));
           most = _mm_max_ps(most, v);
         }
-        unordered = _mm_or_ps(unordered, _mm_cmpunord_ps(most, most));
         nan = _mm_movemask_ps(unordered) != 0;
         alignas(16) float four[4];
         _mm_store_ps(four, most);
@@ -213,14 +214,14 @@ class OneSourceBeams {
       auto [values, indices] = largest_any(scores, shift);
       return {as_vector<float>(values.to(at::kFloat)), as_vector<int64_t>(indices)};
     }
-    at::Tensor maxima, values;
+    at::Tensor values;
     std::vector<int64_t> chosen_;
     if (scores.scalar_type() == at::kFloat && shift.scalar_type() == at::kFloat) {
       // The same numbers by hand: ATen's amax over (m, blocks, 64) took 15 us of a 6 x 8,000 step, its index_select
       // and add a few more (a maximum is exact, and each sum is the same float32 addition)
       const float* data = scores.data_ptr<float>();
       const float* shifts = shift.data_ptr<float>();
-      maxima = at::empty({m * blocks}, scores.options());
+      auto maxima = at::empty({m * blocks}, scores.options());
       block_maxima(data, m, blocks, block_, shifts, maxima.data_ptr<float>());
       auto chosen = std::get<1>(at::topk(maxima.view({1, m * blocks}), k2_))[0].contiguous();
       values = at::empty({k2_ * block_}, scores.options());
@@ -233,7 +234,7 @@ class OneSourceBeams {
       }
       chosen_ = as_vector<int64_t>(chosen);
     } else {
-      maxima = scores.reshape({m, blocks, block_}).amax(-1);
+      auto maxima = scores.reshape({m, blocks, block_}).amax(-1);
       maxima += shift.unsqueeze(1);
       auto chosen = std::get<1>(at::topk(maxima.view({1, m * blocks}), k2_))[0];
       values = scores.view({m * blocks, block_}).index_select(0, chosen);
