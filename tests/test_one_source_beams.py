@@ -150,6 +150,33 @@ def test_the_slots_reordering_copies_what_pythons_does(paths):
             assert a.shape == b.shape and torch.equal(a[:, : length + 1], b[:, : length + 1]), length
 
 
+@pytest.mark.parametrize("depth", [64, 5], ids=["whole-lines-streamed", "partial-lines-memcpy"])
+def test_a_batched_reordering_shared_between_threads_copies_what_pythons_does(paths, depth):
+    """Copies of batched size (past `kStreamBytes`, 16 MiB: streaming stores where each (h, d) vector is whole
+    64-byte lines, memcpy where it is not) shared between two threads by (layer, position): the same keys and
+    values as the Python loop's index_select, for a beam reordering and for finished sources leaving."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        g = torch.Generator().manual_seed(1)
+        layers, capacity, heads = 3, 24, 4
+        rows = 700 if depth == 64 else 2_000  # 21 positions kept: 86 or 20 MB in all
+        keys = torch.randn(layers, capacity, rows, heads, depth, generator=g)
+        values = torch.randn(layers, capacity, rows, heads, depth, generator=g)
+        slots = {}
+        for in_library in (True, False):
+            slot = slots[in_library] = fast_decoding.PositionSlots(layers)
+            slot.keys, slot.values, slot.length = keys.clone(), values.clone(), 20
+        for order in (torch.randint(0, rows, (rows,), generator=g), torch.arange(0, rows, 3)):
+            for in_library, slot in slots.items():
+                paths(in_library, slot.select_rows, order)
+            python, library = slots[False], slots[True]
+            for a, b in ((python.keys, library.keys), (python.values, library.values)):
+                assert a.shape == b.shape and torch.equal(a, b)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_the_manifest_names_what_the_library_was_built_for(library_folder):
     manifest = json.loads((library_folder / one_source_beams.FOLDER / one_source_beams.MANIFEST).read_text())
     library = library_folder / one_source_beams.FOLDER / one_source_beams.LIBRARY

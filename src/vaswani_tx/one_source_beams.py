@@ -35,6 +35,8 @@ def build(folder: str | os.PathLike) -> Path:
 
     Raises:
         UserInputError: no C++ compiler could build it."""
+    # OpenMP: torch's `at::parallel_for` shares the batched copy of the keys and values between torch's threads
+    # (the process's one OpenMP runtime, torch's own libgomp; without the flag the loop runs on one thread)
     return native.build_into(
-        Path(folder) / FOLDER, SOURCE, LIBRARY, "beam-search library", manifest(), python_module=MODULE
+        Path(folder) / FOLDER, SOURCE, LIBRARY, "beam-search library", manifest(), ("-fopenmp",), python_module=MODULE
     )
