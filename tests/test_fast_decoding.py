@@ -124,6 +124,33 @@ def test_greedy_search_drops_finished_sentences_and_pads_them_as_transformers_do
     assert len(set(ends(fast))) > 3  # sentences ended at several different steps: the batch shrank more than once
 
 
+@pytest.mark.parametrize("ending", [EndsAtPerSource, EndsAt])
+def test_greedy_searchs_processors_and_argmax_see_the_rows_still_decoded_where_they_can_follow(
+    ending, loops, monkeypatch
+):
+    """Finished rows are padded, so where every processor is row-local or has `select_sources` the processors and
+    the argmax take the unfinished rows only; a processor without it (`EndsAt`) sees every row. Either way
+    transformers' ids."""
+    model = eos_prone_model(seed=1)
+    ids, mask = batch(seed=2, lengths=(7, 4, 6, 2, 5, 3))
+    rows = []
+    original = fast_decoding.process
+    monkeypatch.setattr(
+        fast_decoding, "process", lambda p, i, scores, c: rows.append(scores.shape[0]) or original(p, i, scores, c)
+    )
+    processors = LogitsProcessorList([ending([9, 2, 6, 4, 30, 6])])
+    fast = model.generate(input_ids=ids, attention_mask=mask, num_beams=1, logits_processor=processors)
+    seen, rows[:] = list(rows), []
+    stock = model.generate(
+        input_ids=ids, attention_mask=mask, num_beams=1, logits_processor=processors, fast_decoding=False
+    )
+    assert torch.equal(fast, stock) and len(set(ends(fast))) > 3
+    if ending is EndsAtPerSource:
+        assert seen[0] == 6 and seen[-1] < 3 and seen == sorted(seen, reverse=True)
+    else:
+        assert set(seen) == {6}
+
+
 def test_a_decoder_prefix_the_fairseq_cap_and_suppressed_tokens(loops):
     model = eos_prone_model(seed=2)
     ids, mask = batch(seed=3)

@@ -1138,6 +1138,11 @@ def greedy_search(model, input_ids, logits_processor, stopping_criteria, generat
     unfinished = torch.ones(batch, dtype=torch.long, device=input_ids.device)
     active = None  # the rows the decoder still computes (None: all)
     tokens, scores, columns = input_ids, None, {}
+    # Finished rows are padded whatever their scores, so where every processor and criterion can follow a subset of
+    # the rows (`sources_can_leave`), the processors and the argmax see the rows still decoded only, not stale
+    # logits of all (Multi30k val greedy in batches: 3.5 times the rows otherwise, and a copy of them into one buffer).
+    narrowing = has_eos_stopping_criteria and sources_can_leave(logits_processor, stopping_criteria)
+    processors = logits_processor
     while True:
         hidden = session.hidden(tokens)
         chosen = None
@@ -1152,6 +1157,9 @@ def greedy_search(model, input_ids, logits_processor, stopping_criteria, generat
             chosen = screen(hidden, mask)
         if chosen is not None:  # finished rows are padded below whatever their token
             next_tokens = chosen if active is None else chosen.new_zeros(batch).index_copy_(0, active, chosen)
+        elif active is not None and narrowing:
+            chosen = torch.argmax(process(processors, input_ids[active], logits_of(session, hidden), columns), dim=-1)
+            next_tokens = chosen.new_zeros(batch).index_copy_(0, active, chosen)  # (finished rows padded below)
         else:
             logits = logits_of(session, hidden)
             if active is not None:  # finished rows are padded whatever their scores: any row of logits will do
@@ -1168,7 +1176,12 @@ def greedy_search(model, input_ids, logits_processor, stopping_criteria, generat
             return input_ids
         if remaining < (batch if active is None else active.numel()):
             still = unfinished.nonzero().squeeze(1)
-            session.select(still if active is None else torch.searchsorted(active, still))
+            kept = still if active is None else torch.searchsorted(active, still)
+            session.select(kept)
+            if narrowing:  # each processor for the rows still decoded (as beam search narrows its sources)
+                processors = LogitsProcessorList(
+                    p.select_sources(kept) if type(p) not in ROW_LOCAL_PROCESSORS else p for p in processors
+                )
             active = still
         tokens = next_tokens[:, None] if active is None else next_tokens[active, None]
 
