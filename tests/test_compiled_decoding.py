@@ -261,6 +261,29 @@ def test_calls_of_a_few_rows_decode_through_the_few_rows_step(compiled_folder, f
     assert_few_rows_decode_there(model, eager, cases, compiled_decoding.FEW_ROWS_MAX, few_rows_calls)
 
 
+@pytest.mark.parametrize("settings", [dict(num_beams=1), dict(num_beams=4)], ids=["greedy", "beam"])
+def test_a_call_down_to_a_few_rows_goes_on_through_the_few_rows_step(
+    compiled_folder, settings, few_rows_calls, monkeypatch
+):
+    """A call of more rows than the few-rows step takes starts on the other step; once its finished sources have left
+    and at most `FEW_ROWS_MAX` rows remain, it goes on through the few-rows step, with the eager ids."""
+    monkeypatch.setattr(fast_decoding, "packs_beat_compiled", lambda model, rows: False)  # (as `steps` does)
+    model = VaswaniForConditionalGeneration.from_pretrained(compiled_folder)
+    eager = eager_twin(compiled_folder)
+    beams = settings["num_beams"]
+    for seed in (0, 4):
+        lengths = (7, 4, 6, 2) if beams > 1 else (7, 4, 6, 2, 5, 3, 7, 4, 6, 2)
+        ids, mask = batch(seed=seed, lengths=lengths)
+        ending = [3, 7, 5, 12] if beams > 1 else [3, 7, 5, 12, 4, 6, 3, 9, 5, 12]
+        kwargs = dict(
+            input_ids=ids, attention_mask=mask, logits_processor=LogitsProcessorList([EndsAtPerSource(ending)])
+        )
+        few_rows_calls.clear()
+        assert torch.equal(model.generate(**kwargs, **settings), eager.generate(**kwargs, **settings))
+        assert len(lengths) * beams > compiled_decoding.FEW_ROWS_MAX
+        assert few_rows_calls[0] is False and few_rows_calls[-1] is True and few_rows_calls == sorted(few_rows_calls)
+
+
 def assert_holds_no_weights(package_path):
     with zipfile.ZipFile(package_path) as package:
         assert not [name for name in package.namelist() if "/data/weights/" in name]
@@ -275,7 +298,8 @@ def assert_few_rows_decode_there(model, eager, cases, bound: int, calls: list):
         kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=12, num_beams=beams)
         assert torch.equal(model.generate(**kwargs), eager.generate(**kwargs))
         rows = len(lengths) * beams
-        assert calls and set(calls) == {rows <= bound}, (rows, lengths)
+        # a call of more rows starts on the other step and may end on the few-rows one (`CompiledSession.fewer_rows`)
+        assert calls and calls[0] == (rows <= bound) and calls == sorted(calls), (rows, lengths)
 
 
 def test_the_few_rows_step_serves_only_the_weights_it_was_compiled_from(
@@ -460,8 +484,8 @@ def test_int8_calls_of_a_few_rows_decode_through_the_kernels_step(compiled_folde
     assert kernel_steps and all(kernel_steps)
     kernel_steps.clear()
     ids, mask = batch(seed=3, lengths=(7, 4, 6, 2, 5))
-    model.generate(input_ids=ids, attention_mask=mask, num_beams=4)  # 20 rows
-    assert kernel_steps and not any(kernel_steps)
+    model.generate(input_ids=ids, attention_mask=mask, num_beams=4)  # 20 rows (the kernel's step once 16 are left)
+    assert kernel_steps and not kernel_steps[0] and kernel_steps == sorted(kernel_steps)
     fingerprint = compiled_decoding.weights_fingerprint(eager)
     for _, module in compiled_decoding.int8_layers(eager):
         for name in compiled_decoding.ROWS_BUFFERS:
@@ -532,18 +556,25 @@ def test_a_model_converted_after_loading_decodes_through_the_step_for_its_new_dt
     loads = []
     original = compiled_decoding.load_compiled_step
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(compiled_decoding, "load_compiled_step", lambda *a: loads.append(1) or original(*a))
+        # (the few-rows steps load too, once the call is down to a few rows: `CompiledSession.fewer_rows`)
+        patch.setattr(
+            compiled_decoding,
+            "load_compiled_step",
+            lambda *a, **k: loads.append(k.get("few_rows")) or original(*a, **k),
+        )
         for dtype, expected, precision in ((torch.bfloat16, in_bf16, "bfloat16"), (torch.float32, in_fp32, "float32")):
             for _ in range(2):
                 model.to(dtype)
                 steps.clear()
                 assert torch.equal(model.generate(**kwargs), expected) and steps
                 assert model._compiled_step.manifest.get("precision", "float32") == precision
-    assert len(loads) == 1  # the bfloat16 step, once; the float32 one was loaded by from_pretrained
+    assert loads.count(None) == 1  # the bfloat16 step, once; the float32 one was loaded by from_pretrained
 
     folder = copy_of(compiled_folder, tmp_path)
     shutil.rmtree(folder / compiled_decoding.BF16_FOLDER)
     model = VaswaniForConditionalGeneration.from_pretrained(folder).to(torch.bfloat16)
+    # (the float32 model converted back above refused its few-rows step, whose weights those rounded ones are not)
+    caplog.clear()
     with caplog.at_level(logging.WARNING, logger="vaswani_tx.compiled_decoding"):
         for _ in range(2):
             steps.clear()
