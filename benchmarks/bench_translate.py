@@ -3,7 +3,7 @@ CTranslate2 (`translate_batch` on the same weights, exported with `vaswani-tx ex
 
     PYTHONPATH=src .venv/bin/python benchmarks/bench_translate.py runs/multi30k-en-de/averaged \\
         [--data ../shared/data] [--threads 1 2] [--sets multi30k newstest2013] [--limit N] [--rounds 3] \\
-        [--one-at-a-time]
+        [--one-at-a-time] [--num-beams K]
 
 Sets: Multi30k val (1,014 sentences, the main job's domain) and newstest2013 (3,000, WMT news: out of the main
 job's domain, so its BLEU is low, but its sentences are long, which is what the timing needs).
@@ -19,6 +19,8 @@ Implementations, each in a fresh process (nothing warm), each decoding with the 
 - ct2, ct2-int8:   CTranslate2 `translate_batch` with `ct2_decoding_options` (its length penalty is |Y|^alpha,
                    not the GNMT form: the one difference in settings), float32 and int8 (its best CPU types;
                    CTranslate2 offers no bfloat16 on CPU).
+`--num-beams K`: every implementation decodes with beam K instead of the saved one (1: greedy search; the other
+saved settings stay).
 `--one-at-a-time`: each implementation is given the set a sentence per call (a service translating requests as they
 come; one row a call, or the beam's rows), rather than the whole list to batch as it likes.
 Per job: sentences/s and tokens/s (output subword tokens, counted with the model's tokenizer for every
@@ -72,6 +74,7 @@ def load(job: dict):
     torch.set_num_threads(job["threads"])
     impl, model = job["impl"], job["model"]
     tokenizer = AutoTokenizer.from_pretrained(model)
+    beams = {} if job.get("num_beams") is None else {"num_beams": job["num_beams"]}
     if impl.startswith("translate"):
         from vaswani_tx.translation import load_translator
 
@@ -79,7 +82,7 @@ def load(job: dict):
         folder = job["eager"] if impl == "translate-eager" else model
         translator = load_translator(folder, device="cpu", dtype=dtype, int8=impl == "translate-int8")
         job["compiled_step"] = getattr(translator.model, "_compiled_step", None) is not None
-        return (lambda lines: translator.translate(lines, progress=False)), tokenizer
+        return (lambda lines: translator.translate(lines, progress=False, **beams)), tokenizer
     if impl == "pipeline":
         from transformers import pipeline
 
@@ -87,8 +90,8 @@ def load(job: dict):
 
         def translate(lines):
             if len(lines) == 1:  # a string, as a caller with one sentence gives it
-                return [translator(lines[0])[0]["translation_text"]]
-            return [out["translation_text"] for out in translator(lines)]
+                return [translator(lines[0], **beams)[0]["translation_text"]]
+            return [out["translation_text"] for out in translator(lines, **beams)]
 
         return translate, tokenizer
     import ctranslate2
@@ -101,9 +104,10 @@ def load(job: dict):
 
     def translate(lines):
         sources = [tokenizer.convert_ids_to_tokens(tokenizer(line).input_ids) for line in lines]
-        results = translator.translate_batch(
-            sources, max_batch_size=4096, batch_type="tokens", **ct2_decoding_options(folder, sources)
-        )
+        options = ct2_decoding_options(folder, sources)
+        if beams:
+            options["beam_size"] = beams["num_beams"]
+        results = translator.translate_batch(sources, max_batch_size=4096, batch_type="tokens", **options)
         ids = [tokenizer.convert_tokens_to_ids(r.hypotheses[0]) for r in results]
         return tokenizer.batch_decode(ids, skip_special_tokens=True)
 
@@ -208,6 +212,7 @@ def main() -> None:
     parser.add_argument(
         "--one-at-a-time", action="store_true", help="give each implementation one sentence a call (a service's load)"
     )
+    parser.add_argument("--num-beams", type=int, help="decode with this beam instead of the saved one (1: greedy)")
     parser.add_argument("--results", type=Path, default=RESULTS)
     args = parser.parse_args()
     if args.worker:
@@ -238,11 +243,14 @@ def main() -> None:
                         reference=reference,
                         limit=args.limit,
                         one_at_a_time=args.one_at_a_time,
+                        num_beams=args.num_beams,
                     )
                     row = run_job(job)
                     row["load_average"], row["round"] = round(os.getloadavg()[0], 2), round_
                     rows.append(row)
-                    calls = " one a call" if args.one_at_a_time else ""
+                    calls = (" one a call" if args.one_at_a_time else "") + (
+                        f" beam {args.num_beams}" if args.num_beams else ""
+                    )
                     print(
                         f"{name:13} {threads}t {impl:15}{calls} {row['sentences_per_s']:7.2f} sent/s "
                         f"{row['tokens_per_s']:8.1f} tok/s  first {row['first_sentence_s']:5.2f} s  "
