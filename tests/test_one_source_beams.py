@@ -177,6 +177,25 @@ def test_a_batched_reordering_shared_between_threads_copies_what_pythons_does(pa
         torch.set_num_threads(threads)
 
 
+def test_a_compiler_without_openmp_builds_the_library_without_it(tmp_path, monkeypatch):
+    """`-fopenmp` refused (clang without libomp): the library is built again without the flag (its batched copies on
+    one thread), not left out."""
+    tried = []
+
+    def compile_library(source, library, what, flags=(), python_module=None):
+        tried.append(flags)
+        if "-fopenmp" in flags:
+            raise UserInputError(f"no {what}: clang++ failed (unsupported option '-fopenmp')")
+        library.write_bytes(b"built")
+
+    monkeypatch.setattr(native, "compile_library", compile_library)
+    folder = one_source_beams.build(tmp_path)
+    assert tried == [("-fopenmp",), ()]
+    assert (folder / one_source_beams.LIBRARY).read_bytes() == b"built" and (
+        folder / one_source_beams.MANIFEST
+    ).is_file()
+
+
 def test_the_manifest_names_what_the_library_was_built_for(library_folder):
     manifest = json.loads((library_folder / one_source_beams.FOLDER / one_source_beams.MANIFEST).read_text())
     library = library_folder / one_source_beams.FOLDER / one_source_beams.LIBRARY

@@ -14,10 +14,12 @@ its Python loop (one logged line), with the same results.
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 
 from . import compiled_decoding, native
+from .errors import UserInputError
 
 # The library's names and its loading live with the compiled steps' (compiled_decoding.py travels with saved models).
 FOLDER, LIBRARY, MODULE = (
@@ -36,7 +38,12 @@ def build(folder: str | os.PathLike) -> Path:
     Raises:
         UserInputError: no C++ compiler could build it."""
     # OpenMP: torch's `at::parallel_for` shares the batched copy of the keys and values between torch's threads
-    # (the process's one OpenMP runtime, torch's own libgomp; without the flag the loop runs on one thread)
-    return native.build_into(
-        Path(folder) / FOLDER, SOURCE, LIBRARY, "beam-search library", manifest(), ("-fopenmp",), python_module=MODULE
+    # (the process's one OpenMP runtime, torch's own libgomp). A compiler without OpenMP (clang without libomp) builds
+    # it without the flag: the same copies, on one thread.
+    build = functools.partial(
+        native.build_into, Path(folder) / FOLDER, SOURCE, LIBRARY, "beam-search library", manifest()
     )
+    try:
+        return build(("-fopenmp",), python_module=MODULE)
+    except UserInputError:
+        return build((), python_module=MODULE)
