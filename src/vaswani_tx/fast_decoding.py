@@ -946,8 +946,9 @@ class CompiledSession:
         self.sources = self.sources.index_select(0, sources)
         self.source_mask = self.source_mask.index_select(0, sources)
         self.cross.select_rows(sources)
-        self.slots.select_rows(sources if rows is None else rows)
-        self.fewer_rows((sources if rows is None else rows).numel())
+        rows = sources if rows is None else rows
+        self.slots.select_rows(rows)
+        self.fewer_rows(rows.numel())
 
     def fewer_rows(self, count: int) -> None:
         """Go on through the few-rows step once a call in batches is down to the rows it serves (the longest
@@ -959,8 +960,7 @@ class CompiledSession:
             return
         step = step_for_rows(self.model, count)
         if step is not None and step.few_rows is not None and step.rows >= self.compiled.rows:
-            if not step.released:
-                release_replaced(self.model, step)
+            release_replaced(self.model, step)
             self.compiled = step
 
     def reorder(self, rows: torch.Tensor) -> None:
@@ -975,7 +975,7 @@ def session_applies(model: nn.Module, input_ids: torch.Tensor, max_length: int, 
     encoder_output = model_kwargs["encoder_outputs"][0]
     if encoder_output.dtype != compiled.dtype or encoder_output.device.type != "cpu":
         return None
-    if compiled.few_rows is not None and not compiled.released:
+    if compiled.few_rows is not None:
         release_replaced(model, compiled)
     return compiled
 
@@ -984,6 +984,8 @@ def release_replaced(model: nn.Module, few_rows: CompiledStep) -> None:
     """The plain pages of the model's tensors that the few-rows step holds its own copy of, given back once
     (`release_file_pages`), as `PackedLinears` does for its packed copies: read back from the file where the other
     step or the eager path needs them again."""
+    if few_rows.released:
+        return
     tensors = step_tensors(model)
     for name, source in few_rows.manifest["constants"].items():
         if source == name:
@@ -1107,6 +1109,12 @@ def sources_can_leave(logits_processor, stopping_criteria) -> bool:
     ) and all(type(c) in ROW_LOCAL_CRITERIA for c in stopping_criteria)
 
 
+def for_sources(processors, sources: torch.Tensor) -> LogitsProcessorList:
+    """The processors for a subset of their sources (rows of greedy search), where `sources_can_leave` said they can
+    follow one: a row-local one as it is, another its `select_sources(sources)`."""
+    return LogitsProcessorList(p if type(p) in ROW_LOCAL_PROCESSORS else p.select_sources(sources) for p in processors)
+
+
 def stop(stopping_criteria, input_ids: torch.Tensor) -> torch.Tensor:
     """`stopping_criteria(input_ids, None)`: whether each row is done. The two criteria every call has are answered
     here the same way, cheaper: the length (one comparison for all rows) and the end-of-sentence token (a
@@ -1195,9 +1203,7 @@ def greedy_search(model, input_ids, logits_processor, stopping_criteria, generat
             kept = still if active is None else torch.searchsorted(active, still)
             session.select(kept)
             if narrowing:  # each processor for the rows still decoded (as beam search narrows its sources)
-                processors = LogitsProcessorList(
-                    p.select_sources(kept) if type(p) not in ROW_LOCAL_PROCESSORS else p for p in processors
-                )
+                processors = for_sources(processors, kept)
             active = still
         tokens = next_tokens[:, None] if active is None else next_tokens[active, None]
 
@@ -1478,9 +1484,7 @@ def beam_search(model, input_ids, logits_processor, stopping_criteria, generatio
                 is_early_stop_heuristic_unsatisfied = is_early_stop_heuristic_unsatisfied[still]
                 batch_size = still.numel()
                 active = torch.arange(batch_size, device=device)
-                processors = LogitsProcessorList(
-                    p.select_sources(still) if type(p) not in ROW_LOCAL_PROCESSORS else p for p in processors
-                )
+                processors = for_sources(processors, still)
             else:
                 if active_rows is None:  # the logits of all rows, kept from here on, are the projection's buffer
                     scores = scores.clone()
