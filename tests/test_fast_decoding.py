@@ -660,6 +660,82 @@ def test_the_caches_reordered_keys_are_whole_buffers_in_reused_allocations():
     assert len(allocations) <= 5
 
 
+def test_kept_buffers_lend_each_buffer_to_one_owner_until_it_is_gone_or_given_back():
+    """`KeptBuffers`: a request takes the smallest free buffer that holds it, never one lent to a living owner;
+    a buffer is free again once its owner is gone or gives it back; free buffers too small for a request make way
+    for its new one beyond KEEP."""
+
+    class Owner:
+        pass
+
+    kept = fast_decoding.KeptBuffers()
+    first, second = Owner(), Owner()
+    a = kept.take(first, 100, torch.float32, torch.device("cpu"))
+    b = kept.take(second, 50, torch.float32, torch.device("cpu"))
+    assert a.shape == (100,) and b.shape == (50,) and a.data_ptr() != b.data_ptr()
+    assert kept.take(Owner(), 10, torch.float32, torch.device("cpu")).data_ptr() not in (a.data_ptr(), b.data_ptr())
+    del second  # its buffer is free: the smallest that holds 40 (the unnamed owner's 10 do not)
+    assert kept.take(first, 40, torch.float32, torch.device("cpu")).data_ptr() == b.data_ptr()
+    assert kept.take(Owner(), 40, torch.int64, torch.device("cpu")).data_ptr() != b.data_ptr()  # another dtype
+    kept.give(a[10:])  # a view of a buffer gives the whole buffer back
+    assert kept.take(first, 80, torch.float32, torch.device("cpu")).data_ptr() == a.data_ptr()
+    count = len(kept.lent)
+    kept.give(a)
+    for size in range(2, 2 + 3 * fast_decoding.KeptBuffers.KEEP):  # each larger than every free buffer
+        kept.give(kept.take(first, 1000 * size, torch.float32, torch.device("cpu")))
+    assert count <= len(kept.lent) <= max(count, fast_decoding.KeptBuffers.KEEP)
+
+
+def test_a_calls_slots_and_logits_reuse_the_buffers_of_the_call_before(monkeypatch):
+    """The self-attention slots (`PositionSlots`) and the logits' buffer (`Projection`) of a call take the buffers a
+    finished call of the same model used (`KeptBuffers`), written over with this call's own values: no new
+    allocation for a call no larger, and beam search's ids stay transformers' own after a larger call."""
+    layers, heads, depth, like = 2, 2, 4, torch.zeros(1)
+    kept = fast_decoding.KeptBuffers()
+
+    def decode(rows: int, orders) -> tuple[set, list]:
+        slots = fast_decoding.PositionSlots(layers, kept)
+        written = []
+        for order in [None, None, *orders]:
+            if order is not None:
+                slots.select_rows(torch.tensor(order))
+                written = [w[:, order] for w in written]
+                rows = len(order)
+            keys, _ = slots.views(rows, 1, heads, depth, depth, like)
+            new = torch.randn(layers, 1, rows, heads, depth)
+            for layer in range(layers):
+                keys[layer][-1:] = new[layer]
+            slots.length += 1
+            written = [torch.cat([w, n]) for w, n in zip(written, new)] if written else list(new)
+        for layer in range(layers):
+            torch.testing.assert_close(slots.keys[layer, : slots.length], written[layer], rtol=0, atol=0)
+        return {buffer.data_ptr() for buffer, _ in kept.lent}
+
+    torch.manual_seed(0)
+    first = decode(6, [[5, 4, 3, 2, 1, 0], [0, 0, 1, 1, 2, 2], None])
+    assert decode(4, [[3, 2, 1, 0], [1, 1, 0, 0], None]) == first  # fewer rows: the same buffers
+
+    model = tiny_model(seed=4)
+    row_bytes = model.config.vocab_size * 4
+    monkeypatch.setattr(fast_decoding, "FRESH_BYTES", 3 * row_bytes)  # the tiny model's logits into the buffer
+    monkeypatch.setattr(fast_decoding, "ONEDNN_BLOCK_BYTES", 2 * row_bytes)
+    projection = fast_decoding.Projection.of(model, 12)
+    hidden = torch.randn(7, model.config.d_model)
+    torch.testing.assert_close(projection(hidden), model.lm_head(hidden))
+    buffer = projection.buffer.data_ptr()
+    del projection
+    projection = fast_decoding.Projection.of(model, 12)
+    torch.testing.assert_close(projection(hidden[:5] * 2), model.lm_head(hidden[:5] * 2))
+    assert projection.buffer.data_ptr() == buffer
+    del projection
+    ids, mask = batch(lengths=(7, 4, 6, 5))
+    ending = LogitsProcessorList([EndsAtPerSource([3, 6, 2, 5])])
+    fast, stock = both(model, input_ids=ids, attention_mask=mask, num_beams=3, logits_processor=ending)
+    assert torch.equal(fast, stock)
+    fast, stock = both(model, input_ids=ids[:2], attention_mask=mask[:2], num_beams=2)
+    assert torch.equal(fast, stock)
+
+
 def test_the_compiled_steps_slots_reorder_every_layer_in_one_copy_and_stay_contiguous_views():
     """The compiled step's self-attention slots (`PositionSlots`): each layer's written prefix plus this step's slot
     is a contiguous view of the one tensor for all layers; after a reordering (beams repeated, fewer rows) the

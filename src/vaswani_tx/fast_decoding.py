@@ -60,6 +60,7 @@ import functools
 import math
 import mmap
 import sys
+import threading
 import weakref
 
 import numpy
@@ -506,6 +507,72 @@ FRESH_BYTES = 32 * 2**20
 FLOAT32_BYTES = 4
 
 
+class KeptBuffers:
+    """The large buffers of a model's decoding calls (the logits' `Projection.buffer`, `PositionSlots`' keys and
+    values), kept on the model from one call to the next. Each call's own (FRESH_BYTES) would be mapped afresh at
+    its start and unmapped at its end, and every call's first write to each 4 KiB page of them is a page fault: a
+    batched pass of Multi30k val (beam 6, one thread, AMD EPYC) took 300,000-400,000 faults in calls after the
+    first, 0.5-0.9 s of its 13 in the kernel. A buffer is lent to an owner, the object that holds it, and is free
+    again once the owner is gone or gives it back (`give`); the `KEEP` largest free ones are kept."""
+
+    KEEP = 6
+
+    def __init__(self):
+        self.lent: list[tuple[torch.Tensor, weakref.ref | None]] = []  # (buffer, its owner; None: free)
+        self.lock = threading.Lock()  # (calls of one model from several threads)
+
+    @classmethod
+    def of(cls, model: nn.Module) -> KeptBuffers:
+        if model not in _KEPT:
+            _KEPT[model] = cls()
+        return _KEPT[model]
+
+    def take(self, owner, size: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A 1-D tensor of `size` elements, lent to `owner`: the first elements of the smallest free buffer that
+        holds them, else a new buffer."""
+        with self.lock:
+            free = [i for i, (buffer, held) in enumerate(self.lent) if (held is None or held() is None)]
+            fits = [
+                i
+                for i in free
+                if self.lent[i][0].numel() >= size
+                and self.lent[i][0].dtype == dtype
+                and self.lent[i][0].device == device
+            ]
+            if fits:
+                index = min(fits, key=lambda i: self.lent[i][0].numel())
+                buffer = self.lent[index][0]
+            else:
+                # the free buffers too small for it go first, the smallest first, down to KEEP in all
+                for i in sorted(free, key=lambda i: self.lent[i][0].numel())[: max(0, len(self.lent) + 1 - self.KEEP)]:
+                    self.lent[i] = None
+                self.lent = [entry for entry in self.lent if entry is not None]
+                buffer = torch.empty(size, dtype=dtype, device=device)
+                self.lent.append((buffer, None))
+                index = len(self.lent) - 1
+            self.lent[index] = (buffer, weakref.ref(owner))
+            return buffer[:size]
+
+    def give(self, tensor: torch.Tensor | None) -> None:
+        """The buffer `tensor` is in (a view taken from it) is free again."""
+        if tensor is None:
+            return
+        with self.lock:
+            for i, (buffer, _) in enumerate(self.lent):
+                if buffer.untyped_storage().data_ptr() == tensor.untyped_storage().data_ptr():
+                    self.lent[i] = (buffer, None)
+
+
+_KEPT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def kept_rows(owner, kept: KeptBuffers, old: torch.Tensor | None, rows: int, width: int, device) -> torch.Tensor:
+    """A float32 (rows, width) buffer from `kept` for `owner`, in place of its `old` one (given back first, so that a
+    larger buffer can take its place)."""
+    kept.give(old)
+    return kept.take(owner, rows * width, torch.float32, device).view(rows, width)
+
+
 # oneDNN's product of many rows a block of logits of this size at a time (`PackedProjection`): under FRESH_BYTES, so
 # glibc serves each from its heaps after the first. Multi30k's 1,200-1,800 rows x 8,000 (one thread, AMD EPYC): 60-95
 # ms against oneMKL's 87-130 into the kept buffer, the log-softmax included.
@@ -543,8 +610,9 @@ class Projection:
     otherwise torch's product of x and W^T written into a buffer reused from step to step (the same GEMM as
     `nn.Linear`, bit for bit). The logits returned are valid until the next call."""
 
-    def __init__(self, weight: torch.Tensor, packed: PackedProjection | None):
+    def __init__(self, weight: torch.Tensor, packed: PackedProjection | None, kept: KeptBuffers | None = None):
         self.weight, self.packed = weight, packed
+        self.kept = kept or KeptBuffers()
         self.buffer: torch.Tensor | None = None
 
     def __call__(self, hidden: torch.Tensor, log_softmax: bool = False) -> torch.Tensor:
@@ -554,7 +622,7 @@ class Projection:
         if packed and self.packed.whole and fits_fresh(rows.shape[0], self.weight.shape[0]):
             return self.packed(hidden, log_softmax=log_softmax)
         if self.buffer is None or self.buffer.shape[0] < rows.shape[0]:
-            self.buffer = rows.new_empty(rows.shape[0], self.weight.shape[0], dtype=torch.float32)
+            self.buffer = kept_rows(self, self.kept, self.buffer, rows.shape[0], self.weight.shape[0], rows.device)
         if packed:
             return self.packed(hidden, out=self.buffer[: rows.shape[0]], log_softmax=log_softmax)
         logits = torch.mm(rows, self.weight.t(), out=self.buffer[: rows.shape[0]])
@@ -573,11 +641,11 @@ class Projection:
             # bfloat16: oneDNN's product on W packed for it, or the model's own (`OwnProjection`). Packed, a few rows
             # take 0.53-0.58 against 0.86-0.94 ms (6 rows x 256 x 8,000, one thread, AMD EPYC), the same logits.
             packed = PackedProjection.of(model, rows) if pack else None
-            return cls(weight, packed) if packed is not None else None
+            return cls(weight, packed, KeptBuffers.of(model)) if packed is not None else None
         # oneDNN's beats oneMKL's at any rows there, many a block at a time; oneMKL's packing takes only `rows`
         onednn = gemm_backend() == "onednn"
         packs = pack and rows >= (1 if onednn else PACK_MIN_ROWS) and (onednn or fits_fresh(rows, weight.shape[0]))
-        return cls(weight, PackedProjection.of(model, rows) if packs else None)
+        return cls(weight, PackedProjection.of(model, rows) if packs else None, KeptBuffers.of(model))
 
 
 class OwnProjection:
@@ -593,6 +661,7 @@ class OwnProjection:
     def __init__(self, model: nn.Module):
         self.model = model
         self.vocabulary = model.config.vocab_size  # read once: a config's attributes cost microseconds each
+        self.kept = KeptBuffers.of(model)
         self.buffer: torch.Tensor | None = None
 
     def __call__(self, hidden: torch.Tensor, log_softmax: bool = False) -> torch.Tensor:
@@ -601,8 +670,7 @@ class OwnProjection:
         if fits_fresh(count, vocabulary):
             return in_log_space(self.model.project(hidden).float(), log_softmax)
         if self.buffer is None or self.buffer.shape[0] < count:
-            self.buffer = None  # the old buffer goes before the new one is made
-            self.buffer = torch.empty(count, vocabulary, dtype=torch.float32, device=rows.device)
+            self.buffer = kept_rows(self, self.kept, self.buffer, count, vocabulary, rows.device)
         blocks = logits_in_blocks(
             lambda block: self.model.project(block).float(), rows, self.buffer[:count], log_softmax
         )
@@ -841,8 +909,9 @@ class PositionSlots:
     view, which is what the compiled step takes. Capacity doubles as positions are written. One tensor for all
     layers makes beam search's reordering two copies a step, not two a layer (`select_rows`)."""
 
-    def __init__(self, num_layers: int):
+    def __init__(self, num_layers: int, kept: KeptBuffers | None = None):
         self.num_layers = num_layers
+        self.kept = kept or KeptBuffers()
         self.keys: torch.Tensor | None = None
         self.values: torch.Tensor | None = None
         self.length = 0
@@ -865,9 +934,11 @@ class PositionSlots:
         return keys, values
 
     def _grown(self, buffer, end: int, rows: int, heads: int, depth: int, like: torch.Tensor) -> torch.Tensor:
-        grown = like.new_empty(self.num_layers, max(16, 2 * end), rows, heads, depth)
+        shape = (self.num_layers, max(16, 2 * end), rows, heads, depth)
+        grown = self.kept.take(self, math.prod(shape), like.dtype, like.device).view(shape)
         if buffer is not None and self.length:
             grown[:, : self.length] = buffer[:, : self.length]
+        self.kept.give(buffer)
         return grown
 
     def select_rows(self, rows: torch.Tensor) -> None:
@@ -879,6 +950,12 @@ class PositionSlots:
         buffer before last) where that has room, as `_within` says."""
         if self.keys is None:
             return
+        for kind, buffer in enumerate((self.keys, self.values)):  # a spare with room, from the kept buffers
+            size = buffer.shape[0] * (self.length + 1) * rows.numel() * math.prod(buffer.shape[3:])
+            spare = self.spare[kind]
+            if spare is None or spare.numel() < size or spare.dtype != buffer.dtype:
+                self.kept.give(spare)
+                self.spare[kind] = self.kept.take(self, 2 * size, buffer.dtype, buffer.device)
         library = beams_library()
         if library is not None and self.keys.device.type == "cpu":  # the same, in C++ (one_source_beams.py)
             self.keys, self.values, *self.spare = library.select_slots(
@@ -919,7 +996,7 @@ class CompiledSession:
         for index, layer in enumerate(model.get_decoder().layers):
             with unpacked_onednn_products(layer.cross_attn, int(self.source_mask.numel())):
                 self.cross.update(*layer.cross_attn.keys_values(self.sources), index)
-        self.slots = PositionSlots(config.num_decoder_layers)
+        self.slots = PositionSlots(config.num_decoder_layers, KeptBuffers.of(model))
         self.projection = projection or OwnProjection(model)
         self.final_bias = getattr(model, "final_logits_bias", None) if config.final_logits_bias else None
 
@@ -1311,8 +1388,14 @@ def first_step(session, tokens: torch.Tensor, num_beams: int, log_softmax: bool 
     if num_beams == 1 or not bool((prefixes == prefixes[:, :1]).all()):
         return session.step(tokens, log_softmax)
     logits = session.step(tokens[::num_beams], log_softmax)
-    session.reorder(torch.arange(sources, device=tokens.device).repeat_interleave(num_beams))
-    return logits.repeat_interleave(num_beams, dim=0)
+    beams = torch.arange(sources, device=tokens.device).repeat_interleave(num_beams)
+    session.reorder(beams)
+    # into a buffer kept on the model (`KeptBuffers`): the (rows, V) copy is tens of megabytes in batches
+    kept = getattr(getattr(session, "projection", None), "kept", None)
+    if kept is None:
+        return logits.repeat_interleave(num_beams, dim=0)
+    out = kept.take(session, beams.numel() * logits.shape[1], logits.dtype, logits.device)
+    return torch.index_select(logits, 0, beams, out=out.view(beams.numel(), logits.shape[1]))
 
 
 def output_fill(generation_config) -> int:
