@@ -804,6 +804,23 @@ def test_the_block_top_k_of_beams_plus_their_scores_gives_transformers_sums_at_i
         assert all(len(set(row.tolist())) == k for row in indices)
 
 
+@pytest.mark.parametrize("width", [8000, 8003, 100, 200])
+def test_the_block_argmax_is_torchs_first_maximum(width, monkeypatch):
+    """`argmax_rows` (greedy search's choice over many rows) gives torch.argmax's index: the first of equal maxima,
+    within a block and across blocks, a NaN the largest, a row of -inf its first column, a partial last block."""
+    monkeypatch.setattr(fast_decoding, "BLOCK_ARGMAX_MIN", 0)  # the blocks for any rows
+    torch.manual_seed(width)
+    scores = torch.randn(40, width)
+    scores[1, 3] = scores[1, width - 1] = 50.0  # equal maxima in the first and the last block
+    scores[2, 10] = scores[2, 11] = 50.0  # within one block
+    scores[3, width // 2] = scores[3, width - 2] = float("nan")
+    scores[4] = float("-inf")
+    scores[5, width - 1] = 50.0  # the last column (of a partial block where the width has one)
+    scores[6] = torch.randint(0, 3, (width,)).float()  # many ties
+    assert torch.equal(fast_decoding.argmax_rows(scores), torch.argmax(scores, dim=-1))
+    assert torch.equal(fast_decoding.argmax_rows(scores[:1]), torch.argmax(scores[:1], dim=-1))
+
+
 @pytest.mark.parametrize("width", [4096, 6 * 1000 + 37])  # whole blocks of 64; a partial last block
 def test_the_block_top_k_gives_torch_topks_values_at_its_indices(width):
     g = torch.Generator().manual_seed(width)

@@ -1223,6 +1223,29 @@ def in_inference_mode(loop):
     return run
 
 
+# From this many scores on, `argmax_rows` goes through block maxima (4 rows of 8,000: 0.025 against 0.038 ms; one row:
+# 0.035 against 0.016, one thread, AMD EPYC).
+BLOCK_ARGMAX_MIN = 32_000
+
+
+def argmax_rows(scores: torch.Tensor) -> torch.Tensor:
+    """`torch.argmax(scores, dim=-1)` of (N, V) scores: the same index, the first of equal maxima (a NaN the
+    largest, as torch takes it). ATen's argmax reads about 5 GB/s on one thread, its amax 80-90: the maxima of
+    blocks of `BLOCK` columns, the first block holding the row's largest, then the first column within it that
+    holds it. 300 rows of 8,000: 0.41-0.44 against 2.0 ms (one thread, AMD EPYC)."""
+    rows, width = scores.shape
+    blocks = width // BLOCK
+    if rows * width < BLOCK_ARGMAX_MIN or not blocks:
+        return torch.argmax(scores, dim=-1)
+    maxima = scores[:, : blocks * BLOCK].reshape(rows, blocks, BLOCK).amax(-1)
+    if blocks * BLOCK < width:  # the partial last block
+        maxima = torch.cat([maxima, scores[:, blocks * BLOCK :].amax(-1, keepdim=True)], dim=1)
+    starts = maxima.argmax(-1) * BLOCK
+    # (a partial last block's columns past the end read its last one again, after it: never the first maximum)
+    columns = (starts[:, None] + torch.arange(BLOCK, device=scores.device)).clamp_(max=width - 1)
+    return starts + scores.gather(1, columns).argmax(-1)
+
+
 # --- greedy search ----------------------------------------------------------------------------------------------------
 
 
@@ -1259,7 +1282,7 @@ def greedy_search(model, input_ids, logits_processor, stopping_criteria, generat
         if chosen is not None:  # finished rows are padded below whatever their token
             next_tokens = chosen if active is None else chosen.new_zeros(batch).index_copy_(0, active, chosen)
         elif active is not None and narrowing:
-            chosen = torch.argmax(process(processors, input_ids[active], logits_of(session, hidden), columns), dim=-1)
+            chosen = argmax_rows(process(processors, input_ids[active], logits_of(session, hidden), columns))
             next_tokens = chosen.new_zeros(batch).index_copy_(0, active, chosen)  # (finished rows padded below)
         else:
             logits = logits_of(session, hidden)
@@ -1267,7 +1290,7 @@ def greedy_search(model, input_ids, logits_processor, stopping_criteria, generat
                 if scores is None:
                     scores = logits.new_zeros(batch, logits.shape[-1])
                 logits = scores.index_copy_(0, active, logits)
-            next_tokens = torch.argmax(process(logits_processor, input_ids, logits, columns), dim=-1)
+            next_tokens = argmax_rows(process(logits_processor, input_ids, logits, columns))
         if has_eos_stopping_criteria:
             next_tokens = next_tokens * unfinished + pad_token_id * (1 - unfinished)
         input_ids = torch.cat([input_ids, next_tokens[:, None]], dim=-1)
