@@ -684,6 +684,9 @@ def test_kept_buffers_lend_each_buffer_to_one_owner_until_it_is_gone_or_given_ba
     for size in range(2, 2 + 3 * fast_decoding.KeptBuffers.KEEP):  # each larger than every free buffer
         kept.give(kept.take(first, 1000 * size, torch.float32, torch.device("cpu")))
     assert count <= len(kept.lent) <= max(count, fast_decoding.KeptBuffers.KEEP)
+    count = len(kept.lent)
+    kept.take(first, 10, torch.float32, torch.device("meta"))  # off the CPU: not kept
+    assert len(kept.lent) == count
 
 
 def test_a_calls_slots_and_logits_reuse_the_buffers_of_the_call_before(monkeypatch):

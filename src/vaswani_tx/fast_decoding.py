@@ -529,7 +529,9 @@ class KeptBuffers:
 
     def take(self, owner, size: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A 1-D tensor of `size` elements, lent to `owner`: the first elements of the smallest free buffer that
-        holds them, else a new buffer."""
+        holds them, else a new buffer. Off the CPU a new tensor each time: torch's caching allocator keeps its own."""
+        if torch.device(device).type != "cpu":
+            return torch.empty(size, dtype=dtype, device=device)
         with self.lock:
             free = [i for i, (buffer, held) in enumerate(self.lent) if (held is None or held() is None)]
             fits = [
