@@ -9,8 +9,6 @@ from __future__ import annotations
 import copy
 import math
 import os
-import platform
-import subprocess
 import sys
 
 import pytest
@@ -739,37 +737,6 @@ def test_a_calls_slots_and_logits_reuse_the_buffers_of_the_call_before(monkeypat
     assert torch.equal(fast, stock)
     fast, stock = both(model, input_ids=ids[:2], attention_mask=mask[:2], num_beams=2)
     assert torch.equal(fast, stock)
-
-
-SECOND_WRITE_FAULTS = """
-import resource, sys, torch
-from vaswani_tx import fast_decoding
-if sys.argv[1] == "settled":
-    fast_decoding.settle_heap()
-faults = []
-for elements in (2**21, 2**20):  # a batch's activation of 8 MiB, made, written and freed, then one of 4 MiB
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    torch.empty(elements).fill_(1.0)
-    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
-print(faults[1])
-"""
-
-
-@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's mmap threshold")
-def test_a_settled_heap_serves_a_batchs_activations_again_without_page_faults():
-    """`settle_heap` (once per process, before the first call): after an 8 MiB activation is freed, the next one
-    (4 MiB) comes from the same memory in glibc's heap, written without faulting its pages in again; in a process
-    not settled the first was mapped and unmapped, and every 4 KiB page of the next faults (the premise)."""
-
-    def second_write_faults(mode: str) -> int:
-        run = subprocess.run(
-            [sys.executable, "-c", SECOND_WRITE_FAULTS, mode], capture_output=True, text=True, check=True
-        )
-        return int(run.stdout.split()[-1])
-
-    pages = 2**22 // 4096
-    assert second_write_faults("settled") < pages // 10
-    assert second_write_faults("fresh") > pages // 2
 
 
 def test_the_compiled_steps_slots_reorder_every_layer_in_one_copy_and_stay_contiguous_views():

@@ -871,29 +871,11 @@ def logits_of(session, hidden: torch.Tensor, log_softmax: bool = False) -> torch
     return in_log_space(session.projection(hidden).add_(session.final_bias), log_softmax)
 
 
-# Just under glibc's largest mmap threshold on 64-bit systems (32 MiB, DEFAULT_MMAP_THRESHOLD_MAX).
-SETTLE_BYTES = 32 * 2**20 - 2**16
-
-
-@functools.cache
-def settle_heap() -> None:
-    """Allocate and free one block of `SETTLE_BYTES`, unwritten, once per process. glibc maps every allocation
-    above its mmap threshold afresh and, each time it frees such a block, raises the threshold to that block's
-    size (up to 32 MiB). Until it has freed one that large, a batch's activations of a few megabytes each (the
-    encoder's) are mapped, written and unmapped one after another, a page fault per 4 KiB each time. Freed here
-    before the first call, the block moves the threshold where the first batches would have moved it, and their
-    activations come from glibc's heap from the start (Multi30k val greedy, a process' first pass: 82,000-88,000
-    faults against 131,000-142,000). The block costs a map and an unmap: nothing is written to it. Elsewhere
-    (another C library) an allocation like any other."""
-    torch.empty(SETTLE_BYTES, dtype=torch.uint8)
-
-
 def open_session(
     model, model_kwargs: dict, input_ids: torch.Tensor, max_length: int, rows_per_source: int = 1, pack: bool = True
 ):
     """The compiled step's session where the model has one that applies to this call (compiled_decoding.py),
     else the eager one; both give the same logits to float32 rounding. `pack`: see `Projection.of`."""
-    settle_heap()
     compiled = session_applies(model, input_ids, max_length, model_kwargs)
     # (an int8 model has no float32 layers to pack)
     if compiled is None or (
