@@ -167,9 +167,14 @@ def _within(spare: torch.Tensor | None, shape: list[int], like: torch.Tensor, sl
     """A contiguous tensor of `shape` in the first elements of `spare` (contiguous) where it has room, else a new one
     (with `slack`, a view of one twice that size, so that buffers growing a position a step are not new at each)."""
     size = math.prod(shape)
-    if spare is None or spare.numel() < size or spare.dtype != like.dtype or spare.device != like.device:
+    if not has_room(spare, size, like):
         return like.new_empty(2 * size)[:size].view(shape) if slack else like.new_empty(shape)
     return spare.view(-1)[:size].view(shape)
+
+
+def has_room(spare: torch.Tensor | None, size: int, like: torch.Tensor) -> bool:
+    """Whether `spare` can hold `size` elements of a tensor like `like` (its dtype, its device)."""
+    return spare is not None and spare.numel() >= size and spare.dtype == like.dtype and spare.device == like.device
 
 
 def _grown(buffer: torch.Tensor | None, new: torch.Tensor, written: int) -> torch.Tensor:
@@ -951,9 +956,8 @@ class PositionSlots:
             return
         for kind, buffer in enumerate((self.keys, self.values)):  # a spare with room, from the kept buffers
             size = buffer.shape[0] * (self.length + 1) * rows.numel() * math.prod(buffer.shape[3:])
-            spare = self.spare[kind]
-            if spare is None or spare.numel() < size or spare.dtype != buffer.dtype:
-                self.kept.give(spare)
+            if not has_room(self.spare[kind], size, buffer):
+                self.kept.give(self.spare[kind])
                 self.spare[kind] = self.kept.take(self, 2 * size, buffer.dtype, buffer.device)
         library = beams_library()
         if library is not None and self.keys.device.type == "cpu":  # the same, in C++ (one_source_beams.py)
@@ -1413,10 +1417,7 @@ def first_step(session, tokens: torch.Tensor, num_beams: int, log_softmax: bool 
     beams = torch.arange(sources, device=tokens.device).repeat_interleave(num_beams)
     session.reorder(beams)
     # into a buffer kept on the model (`KeptBuffers`): the (rows, V) copy is tens of megabytes in batches
-    kept = getattr(getattr(session, "projection", None), "kept", None)
-    if kept is None:
-        return logits.repeat_interleave(num_beams, dim=0)
-    out = kept.take(session, beams.numel() * logits.shape[1], logits.dtype, logits.device)
+    out = KeptBuffers.of(session.model).take(session, beams.numel() * logits.shape[1], logits.dtype, logits.device)
     return torch.index_select(logits, 0, beams, out=out.view(beams.numel(), logits.shape[1]))
 
 
