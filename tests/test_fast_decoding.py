@@ -151,6 +151,33 @@ def test_greedy_searchs_processors_and_argmax_see_the_rows_still_decoded_where_t
         assert set(seen) == {6}
 
 
+@pytest.mark.parametrize("share", [0.0, 0.5])
+def test_finished_rows_leave_greedy_searchs_batch_once_they_are_a_share_of_it(share, loops, monkeypatch):
+    """Finished rows leave the decoder's batch once they are `LEAVE_SHARE` of the rows it computes (each leaving
+    copies every kept row's keys and values); until then they are computed and padded. Transformers' ids either
+    way. Six sentences ending at steps 2, 4, 6, 6, 9 and 30: with a share of a half, the batch goes from 6 rows to
+    2 at step 7 (4 finished of 6; 1 of 6 and 2 of 6 were too few) and to 1 at step 10; with none, at every end."""
+    monkeypatch.setattr(fast_decoding, "LEAVE_SHARE", share)
+    model = eos_prone_model(seed=1)
+    ids, mask = batch(seed=2, lengths=(7, 4, 6, 2, 5, 3))
+    rows = []
+    original = fast_decoding.process
+    monkeypatch.setattr(
+        fast_decoding, "process", lambda p, i, scores, c: rows.append(scores.shape[0]) or original(p, i, scores, c)
+    )
+    processors = LogitsProcessorList([EndsAtPerSource([9, 2, 6, 4, 30, 6])])
+    fast = model.generate(input_ids=ids, attention_mask=mask, num_beams=1, logits_processor=processors)
+    seen = list(rows)
+    stock = model.generate(
+        input_ids=ids, attention_mask=mask, num_beams=1, logits_processor=processors, fast_decoding=False
+    )
+    assert torch.equal(fast, stock) and sorted(set(ends(fast))) == [2, 4, 6, 9, 30]
+    if share:
+        assert seen == [6] * 6 + [2] * 3 + [1] * 21
+    else:
+        assert seen == [6] * 2 + [5] * 2 + [4] * 2 + [2] * 3 + [1] * 21
+
+
 def test_a_decoder_prefix_the_fairseq_cap_and_suppressed_tokens(loops):
     model = eos_prone_model(seed=2)
     ids, mask = batch(seed=3)
@@ -389,9 +416,9 @@ def test_the_encoder_runs_through_onednn_where_it_is_chosen(monkeypatch):
     seen = []
     original = fast_decoding.onednn_linear
 
-    def spying(rows, weight, bias):
+    def spying(rows, weight, bias, then="none"):
         seen.append(id(weight))
-        return original(rows, weight, bias)
+        return original(rows, weight, bias, then)
 
     monkeypatch.setattr(fast_decoding, "onednn_linear", spying)
     monkeypatch.setattr(fast_decoding, "UNPACKED_ONEDNN_MIN_ROWS", ids.numel())
@@ -408,6 +435,46 @@ def test_the_encoder_runs_through_onednn_where_it_is_chosen(monkeypatch):
     assert not encoder_layers & set(seen)  # fewer tokens than the threshold: oneMKL's product
     with torch.enable_grad(), fast_decoding.unpacked_onednn_products(model.get_encoder(), 10**6):
         assert all("forward" not in vars(m) for m in model.modules())
+
+
+def test_the_encoders_relu_is_applied_as_onednn_writes_w1s_product(monkeypatch):
+    """Where the encoder's products are oneDNN's, each feed-forward network's max(0, .) is applied as oneDNN writes
+    x W1 + b1 (`ReLUFeedForward`): the same values as the network's own forward, every encoder layer's taken, the
+    ids of transformers' loops; not where a ReLU does not follow at once (SiLU, activation dropout in training)."""
+    if not compiled_decoding.onednn_linear_available():
+        pytest.skip("torch without oneDNN's inner product")
+    monkeypatch.setenv(compiled_decoding.GEMM_VARIABLE, "onednn")
+    model = tiny_model(seed=3)
+    ids, mask = batch(lengths=(7, 4, 6))
+    monkeypatch.setattr(fast_decoding, "UNPACKED_ONEDNN_MIN_ROWS", ids.numel())
+    fused = []
+    original = fast_decoding.onednn_linear
+
+    def spying(rows, weight, bias, then="none"):
+        if then == "relu":
+            fused.append(id(weight))
+        return original(rows, weight, bias, then)
+
+    monkeypatch.setattr(fast_decoding, "onednn_linear", spying)
+    encoder = model.get_encoder()
+    first_layers = [id(layer.feed_forward.w_1.weight) for layer in encoder.layers]
+    fast, stock = both(model, input_ids=ids, attention_mask=mask, num_beams=2)
+    assert torch.equal(fast, stock) and set(fused) == set(first_layers)  # (both calls' encoder passes)
+    ffn = encoder.layers[0].feed_forward
+    hidden = torch.randn(5, 3, model.config.d_model)
+    with torch.no_grad():
+        assert torch.equal(fast_decoding.ReLUFeedForward(ffn)(hidden), ffn(hidden))
+        ffn.activation = torch.nn.functional.silu
+        with fast_decoding.unpacked_onednn_products(encoder, 10**6):
+            assert "forward" not in vars(ffn) and "forward" in vars(encoder.layers[1].feed_forward)
+        ffn.activation, ffn.activation_dropout.p = torch.relu, 0.1
+        model.train()
+        with fast_decoding.unpacked_onednn_products(encoder, 10**6):
+            assert "forward" not in vars(ffn) and "forward" in vars(encoder.layers[1].feed_forward)
+        model.eval()  # dropout off while not training: fused again
+        with fast_decoding.unpacked_onednn_products(encoder, 10**6):
+            assert "forward" in vars(ffn)
+    assert all("forward" not in vars(m) for m in model.modules())
 
 
 def test_onednn_runs_the_decoders_linear_layers_on_packed_weights(monkeypatch):
