@@ -124,13 +124,9 @@ def test_greedy_search_drops_finished_sentences_and_pads_them_as_transformers_do
     assert len(set(ends(fast))) > 3  # sentences ended at several different steps: the batch shrank more than once
 
 
-@pytest.mark.parametrize("ending", [EndsAtPerSource, EndsAt])
-def test_greedy_searchs_processors_and_argmax_see_the_rows_still_decoded_where_they_can_follow(
-    ending, loops, monkeypatch
-):
-    """Finished rows are padded, so where every processor is row-local or has `select_sources` the processors and
-    the argmax take the unfinished rows only; a processor without it (`EndsAt`) sees every row. Either way
-    transformers' ids."""
+def greedy_rows_processed(ending, monkeypatch):
+    """Greedy search over six sentences ending at steps 9, 2, 6, 4, 30 and 6 (`ending`'s processor): the default
+    path's ids, transformers' loops' ids, and the rows the default path's processors saw at each step."""
     model = eos_prone_model(seed=1)
     ids, mask = batch(seed=2, lengths=(7, 4, 6, 2, 5, 3))
     rows = []
@@ -140,10 +136,21 @@ def test_greedy_searchs_processors_and_argmax_see_the_rows_still_decoded_where_t
     )
     processors = LogitsProcessorList([ending([9, 2, 6, 4, 30, 6])])
     fast = model.generate(input_ids=ids, attention_mask=mask, num_beams=1, logits_processor=processors)
-    seen, rows[:] = list(rows), []
+    seen = list(rows)
     stock = model.generate(
         input_ids=ids, attention_mask=mask, num_beams=1, logits_processor=processors, fast_decoding=False
     )
+    return fast, stock, seen
+
+
+@pytest.mark.parametrize("ending", [EndsAtPerSource, EndsAt])
+def test_greedy_searchs_processors_and_argmax_see_the_rows_still_decoded_where_they_can_follow(
+    ending, loops, monkeypatch
+):
+    """Finished rows are padded, so where every processor is row-local or has `select_sources` the processors and
+    the argmax take the unfinished rows only; a processor without it (`EndsAt`) sees every row. Either way
+    transformers' ids."""
+    fast, stock, seen = greedy_rows_processed(ending, monkeypatch)
     assert torch.equal(fast, stock) and len(set(ends(fast))) > 3
     if ending is EndsAtPerSource:
         assert seen[0] == 6 and seen[-1] < 3 and seen == sorted(seen, reverse=True)
@@ -158,19 +165,7 @@ def test_finished_rows_leave_greedy_searchs_batch_once_they_are_a_share_of_it(sh
     way. Six sentences ending at steps 2, 4, 6, 6, 9 and 30: with a share of a half, the batch goes from 6 rows to
     2 at step 7 (4 finished of 6; 1 of 6 and 2 of 6 were too few) and to 1 at step 10; with none, at every end."""
     monkeypatch.setattr(fast_decoding, "LEAVE_SHARE", share)
-    model = eos_prone_model(seed=1)
-    ids, mask = batch(seed=2, lengths=(7, 4, 6, 2, 5, 3))
-    rows = []
-    original = fast_decoding.process
-    monkeypatch.setattr(
-        fast_decoding, "process", lambda p, i, scores, c: rows.append(scores.shape[0]) or original(p, i, scores, c)
-    )
-    processors = LogitsProcessorList([EndsAtPerSource([9, 2, 6, 4, 30, 6])])
-    fast = model.generate(input_ids=ids, attention_mask=mask, num_beams=1, logits_processor=processors)
-    seen = list(rows)
-    stock = model.generate(
-        input_ids=ids, attention_mask=mask, num_beams=1, logits_processor=processors, fast_decoding=False
-    )
+    fast, stock, seen = greedy_rows_processed(EndsAtPerSource, monkeypatch)
     assert torch.equal(fast, stock) and sorted(set(ends(fast))) == [2, 4, 6, 9, 30]
     if share:
         assert seen == [6] * 6 + [2] * 3 + [1] * 21
