@@ -78,6 +78,29 @@ def test_a_list_is_translated_sorted_by_length_in_batches_and_returned_in_input_
         translator(texts, batch_size=0)
 
 
+def test_a_list_is_tokenized_at_once_and_each_batch_decoded_at_once(saved_model, monkeypatch, caplog):
+    """A list is tokenized in one call and each batch decoded at once, not a sentence at a time through
+    transformers' DataLoader (`preprocess` is never called for it): the same translations as a string at a time, the
+    call's post-processing and truncation as a string's, and an input longer than the model's positions warned of."""
+    _, model, tokenizer = saved_model
+    translator = VaswaniTranslationPipeline(model=model, tokenizer=tokenizer, max_new_tokens=5)
+    expected = [translator(text, clean_up_tokenization_spaces=True)[0] for text in SENTENCES]
+    monkeypatch.setattr(translator, "preprocess", lambda *args, **kwargs: pytest.fail("a sentence at a time"))
+    assert translator(SENTENCES, clean_up_tokenization_spaces=True) == expected
+    monkeypatch.setattr(tokenizer, "model_max_length", 4)
+    pads = []
+    pad = tokenizer.pad
+    monkeypatch.setattr(
+        tokenizer, "pad", lambda encoded, **kwargs: pads.append(encoded["input_ids"]) or pad(encoded, **kwargs)
+    )
+    translator(SENTENCES, truncation=True)
+    assert pads and all(len(ids) <= 4 for batch in pads for ids in batch)
+    monkeypatch.setattr(model.config, "max_position_embeddings", 5)
+    with caplog.at_level("WARNING"):
+        translator(["Ja.", SENTENCES[0]], max_new_tokens=2)
+    assert "longer than the 5 positions" in caplog.text and "'Ja.'" not in caplog.text
+
+
 def test_pipeline_uses_the_papers_decoding_defaults(saved_model):
     folder, model, tokenizer = saved_model
     translator = pipeline("translation", model=str(folder), pipeline_class=VaswaniTranslationPipeline)
