@@ -90,8 +90,10 @@ class VaswaniTranslationPipeline(Pipeline):
             batch_size = self._batch_size
         if max_tokens is None and batch_size is None:
             max_tokens = MAX_TOKENS
+        # the call's parameters over those given at construction, as transformers' `Pipeline.__call__` merges them
+        kept = (self._preprocess_params, self._forward_params, self._postprocess_params)
         preprocess_params, forward_params, postprocess_params = (
-            {**kept, **given} for kept, given in zip(self._kept_params(), self._sanitize_parameters(**kwargs))
+            {**before, **given} for before, given in zip(kept, self._sanitize_parameters(**kwargs))
         )
         # The whole list tokenized in one call, each batch padded from its ids and decoded at once, as `translate`
         # does: transformers' list path tokenizes, collates and post-processes a sentence at a time, about 0.1 ms a
@@ -114,10 +116,6 @@ class VaswaniTranslationPipeline(Pipeline):
             for index, result in zip(batch, translated):
                 results[index] = result
         return results
-
-    def _kept_params(self):
-        """The parameters given at construction (transformers' `Pipeline.__call__` merges a call's over them)."""
-        return self._preprocess_params, self._forward_params, self._postprocess_params
 
     def preprocess(self, text: str, truncation: bool = False):
         inputs = self.tokenizer(drop_format_characters(text), return_tensors="pt", truncation=truncation)
