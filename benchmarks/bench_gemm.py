@@ -1,10 +1,12 @@
 """Where `gemm_backend()` comes from: torch's float32 product (oneMKL's GEMM) against oneDNN's inner product on
 the same weights, unpacked and packed once, by number of rows, at the base shape's layers.
 
-    PYTHONPATH=src .venv/bin/python benchmarks/bench_gemm.py [--threads 1 2] [--rounds 5]
+    PYTHONPATH=src .venv/bin/python benchmarks/bench_gemm.py [--threads 1 2] [--rounds 5] [--shapes small]
+        [--rows 2 4 8 16 32 64 128 255]
 
 Shapes (in x out): the attention projections 512 x 512, the feed-forward layers 512 x 2048 and 2048 x 512, and the
-pre-softmax projection 512 x 37000 (the paper's base). Each cell is microseconds a call: `F.linear` (what
+pre-softmax projection 512 x 37000 (the paper's base); `--shapes small`: the main job's model's (`small-cpu.json`:
+256 x 256, 256 x 1024, 1024 x 256 and its 256 x 8000 projection). Each cell is microseconds a call: `F.linear` (what
 `nn.Linear` runs: oneMKL), `mkldnn._linear_pointwise` on the weight as it is ("oneDNN") and on a copy packed by
 `mkldnn._reorder_linear_weight` ("packed"), the median of `--rounds` alternating measurements. A weight that fits
 in the cache is read from it here; the last line ("decoder, one row") reads a whole decoding step's worth of
@@ -23,7 +25,10 @@ import torch
 
 from vaswani_tx.compiled_decoding import cpu_vendor, gemm_backend, onednn_linear_available
 
-SHAPES = ((512, 512), (512, 2048), (2048, 512), (512, 37000))
+SHAPES = {
+    "base": ((512, 512), (512, 2048), (2048, 512), (512, 37000)),
+    "small": ((256, 256), (256, 1024), (1024, 256), (256, 8000)),
+}
 ROWS = (1, 2, 4, 8, 32, 128)
 LINEAR = torch.ops.mkldnn._linear_pointwise
 
@@ -74,13 +79,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--shapes", choices=sorted(SHAPES), default="base", help="the base model's or the main job's")
+    parser.add_argument("--rows", type=int, nargs="+", default=list(ROWS))
     args = parser.parse_args()
     if not onednn_linear_available():
         raise SystemExit("this torch has no oneDNN inner product (torch.ops.mkldnn._linear_pointwise)")
     print(f"CPU vendor {cpu_vendor() or 'unknown'}, torch {torch.__version__}, capability "
           f"{torch.backends.cpu.get_cpu_capability()}; gemm_backend() chooses {gemm_backend()}")  # fmt: skip
-    cases = [(f"{rows:4d} x {i:>5} -> {o:>5}", products(rows, i, o)) for i, o in SHAPES for rows in ROWS]
-    cases.append(("decoder, one row (88 MB)", decoder_step()))
+    cases = [
+        (f"{rows:4d} x {i:>5} -> {o:>5}", products(rows, i, o)) for i, o in SHAPES[args.shapes] for rows in args.rows
+    ]
+    if args.shapes == "base":
+        cases.append(("decoder, one row (88 MB)", decoder_step()))
     for threads in args.threads:
         torch.set_num_threads(threads)
         print(f"\n{threads} thread(s): microseconds a call, median of {args.rounds}; oneMKL / packed above 1: "
