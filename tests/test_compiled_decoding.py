@@ -14,6 +14,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 import zipfile
 from pathlib import Path
 
@@ -23,7 +24,7 @@ from transformers import LogitsProcessorList
 
 from test_fast_decoding import EndsAt, EndsAtPerSource, ends, eos_prone_model
 from test_modeling import batch
-from vaswani_tx import compiled_decoding, fast_decoding, int8_rows, one_source_beams
+from vaswani_tx import compile_step, compiled_decoding, fast_decoding, int8_rows, one_source_beams
 from vaswani_tx.cli import main
 from vaswani_tx.compile_step import compile_decoder_step
 from vaswani_tx.compiled_decoding import FOLDER, MANIFEST, PACKAGE
@@ -37,7 +38,8 @@ from vaswani_tx.quantization import quantize_int8
 def compiled_folder(tmp_path_factory):
     folder = tmp_path_factory.mktemp("compiled-model")
     eos_prone_model(seed=0).save_pretrained(folder)
-    assert main(["compile", str(folder)]) == 0
+    # two processes (`compiled_apart`) on any machine: every test of the steps below tests that path too
+    assert main(["compile", str(folder), "--jobs", "2"]) == 0
     return folder
 
 
@@ -703,6 +705,102 @@ def test_the_other_gemm_librarys_step(tmp_path, monkeypatch, caplog):
 def test_compile_command_refuses_what_it_cannot_compile(tmp_path, capsys):
     assert main(["compile", str(tmp_path / "missing")]) == 2
     assert "missing" in capsys.readouterr().err
+    eos_prone_model().save_pretrained(tmp_path / "model")
+    assert main(["compile", str(tmp_path / "model"), "--jobs", "0"]) == 2
+    assert "--jobs must be >= 1, got 0" in capsys.readouterr().err
     with pytest.raises(UserInputError, match="float32, bfloat16 and int8"):
         compile_decoder_step(eos_prone_model().to(torch.float16), tmp_path)
     assert not (tmp_path / FOLDER).exists()
+
+
+def test_compiles_parts_are_shared_out_evenly_the_timed_one_alone():
+    """`vaswani-tx compile`'s parts in groups of about equal time, one a process (`shared_out`), this process'
+    holding the float32 step; the part whose compiling times kernels is compiled after the others, alone."""
+    seconds = compile_step.PART_SECONDS
+    shared = [part for part in seconds if part not in compile_step.TIMED_PARTS]
+    assert compile_step.TIMED_PARTS == ("bfloat16-few",)
+    for jobs in (2, 3, len(shared)):
+        groups = compile_step.shared_out(shared, jobs)
+        assert sorted(part for group in groups for part in group) == sorted(shared) and len(groups) == jobs
+        assert "float32" in groups[0] and all(group == sorted(group, key=list(seconds).index) for group in groups)
+        loads = [sum(seconds[part] for part in group) for group in groups]
+        assert max(loads) - min(loads) <= max(seconds[part] for part in shared)
+    assert compile_step.shared_out(shared, 2) == [["float32", "float32-few", "beams"], ["int8", "bfloat16"]]
+
+
+def test_a_compiling_process_rebuilds_the_model_as_it_is(tmp_path):
+    """The model a compiling process reads (`write_model`, `read_model`) is the caller's as it is, not its folder's:
+    the same config, weights and fingerprints, in evaluation mode."""
+    model = eos_prone_model(seed=3)
+    with torch.no_grad():
+        model.get_decoder().layers[0].feed_forward.w_1.bias += 1.0  # changed since any save
+    compile_step.write_model(model, tmp_path / "model.pt")
+    again = compile_step.read_model(tmp_path / "model.pt")
+    assert not again.training and again.config.to_dict() == model.config.to_dict()
+    assert compiled_decoding.weights_fingerprint(again) == compiled_decoding.weights_fingerprint(model)
+    assert compiled_decoding.architecture_fingerprint(again.config) == compiled_decoding.architecture_fingerprint(
+        model.config
+    )
+    assert again.get_output_embeddings().weight is again.get_input_embeddings().weight  # one matrix (Section 3.4)
+    state = model.state_dict()
+    assert all(torch.equal(tensor, state[name]) for name, tensor in again.state_dict().items())
+
+
+@pytest.mark.parametrize(
+    "other, error, words",
+    [
+        (
+            "print(json.dumps({'line': 'wrote the int8 step'})); print('not a message', flush=True); "
+            "print(json.dumps({'error': 'no C++ compiler', 'user': True})); sys.exit(2)",
+            UserInputError,
+            "no C\\+\\+ compiler",
+        ),
+        ("sys.exit(9)", RuntimeError, "exit code 9"),
+        ("print(json.dumps({'line': 'wrote the int8 step'}))", None, None),
+    ],
+    ids=["user-error", "killed", "lines"],
+)
+def test_a_compiling_processs_lines_and_errors_reach_the_caller(tmp_path, monkeypatch, other, error, words):
+    """`compiled_apart` passes on the other processes' lines as they come and raises the first error once its own
+    parts are done: a `UserInputError` as itself, a process that ended without a word as a RuntimeError naming its
+    exit code."""
+    monkeypatch.setattr(
+        compile_step, "compiling_command", lambda: [sys.executable, "-c", f"import json, sys; {other}"]
+    )
+    monkeypatch.setattr(compile_step, "compiled_part", lambda model, folder, part: iter([f"wrote {part} here"]))
+    lines = []
+    parts = compile_step.compiled_apart(eos_prone_model(), tmp_path, ["float32", "int8"], 2)
+    if error is None:
+        lines = list(parts)
+    else:
+        with pytest.raises(error, match=words):
+            lines.extend(parts)
+    assert lines[0].startswith("compiling 2 parts in 2 processes") and "wrote float32 here" in lines
+    assert ("wrote the int8 step" in lines) == (error is not RuntimeError)
+    assert ("not a message" in lines) == (error is UserInputError)
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="no C++ compiler (g++) to build the library")
+def test_a_stopped_compiling_process_leaves_nothing_partial(tmp_path):
+    """A compiling process stopped mid-part (SIGTERM: `compiled_apart` stopping the others on an error or Ctrl-C)
+    removes its partial folder and exits 130, without a traceback."""
+    model_file, folder = tmp_path / "model.pt", tmp_path / "model"
+    compile_step.write_model(eos_prone_model(), model_file)
+    folder.mkdir()
+    source = str(Path(compile_step.__file__).resolve().parent.parent)
+    environment = {**os.environ, "VASWANI_TX_CACHE": str(tmp_path / "cache"), "PYTHONPATH": source}  # g++ runs
+    process = subprocess.Popen(
+        [*compile_step.compiling_command(), str(model_file), str(folder), "beams"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=environment,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while not any(folder.iterdir()):  # the library's partial folder: g++ is at work
+            assert process.poll() is None and time.monotonic() < deadline, process.stderr.read()
+            time.sleep(0.02)
+        process.terminate()
+        out, err = process.communicate(timeout=60)
+    finally:
+        process.kill()
+    assert process.returncode == 130 and out == "" and "Traceback" not in err, err
+    assert list(folder.iterdir()) == []

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from . import int8_rows, one_source_beams
-from .atomic import atomic_folder
+from .atomic import atomic_folder, sigterm_as_interrupt
 from .compiled_decoding import (
     FEW_ROWS_FOLDERS,
     FEW_ROWS_MAXIMA,
@@ -157,72 +157,267 @@ def _example(model: nn.Module, few_rows: bool = False) -> tuple:
     return tokens, slots(config.d_k), slots(config.d_v), per_source(config.d_k), per_source(config.d_v), sources, mask
 
 
+# `vaswani-tx compile`'s parts, in the order one process compiles them, and what each took relative to the others on
+# 2 cores with Inductor's and the libraries' caches cold (a tiny model, tests/test_compiled_decoding.py's; the main
+# job's, within 20%): how `compiled_apart` shares them between processes. The int8 kernel and both int8 steps are
+# one part, compiled in that order: the few-rows step calls the kernel, which the process loads once it is built.
+PART_SECONDS = {
+    "float32": 28,
+    "float32-few": 30,
+    "beams": 17,
+    "int8": 44,
+    "bfloat16": 19,
+    "bfloat16-few": 46,
+}
+
+
+# Parts whose compiling times kernels to choose among them (Inductor's `max_autotune` with two GEMM backends: the
+# bfloat16 few-rows step, `compile_decoder_step`): compiled with nothing else running, after the others. Beside
+# another compile its timings chose differently (a tiny model's step: 55 packed constants where alone it had 73,
+# products that went to aten's kernels rather than Inductor's).
+TIMED_PARTS = ("bfloat16-few",)
+
+
 def compile_decoder_steps(
-    model: nn.Module, folder: str | os.PathLike, int8: bool = True, bf16: bool = True, few_rows: bool = True
+    model: nn.Module,
+    folder: str | os.PathLike,
+    int8: bool = True,
+    bf16: bool = True,
+    few_rows: bool = True,
+    jobs: int | None = None,
 ):
     """`vaswani-tx compile`: the float32 `model`'s step into `folder`, with `few_rows` its few-rows step too (calls
-    of at most `FEW_ROWS_MAXIMA` rows: a sentence at a time, greedy or with a small beam), then the int8 model's
-    (`quantize_int8`'s copy) with `int8`, and with `bf16` the bfloat16 model's where `--dtype auto` picks bfloat16
-    (the CPU has bf16 instructions), with `few_rows` its few-rows step too. Yields a line for each as it is written,
-    or saying why there is none; `model` stays float32."""
+    of at most `FEW_ROWS_MAXIMA` rows: a sentence at a time, greedy or with a small beam), beam search's library
+    for one source, then the int8 model's steps (`quantize_int8`'s copy) with `int8`, and with `bf16` the bfloat16
+    model's where `--dtype auto` picks bfloat16 (the CPU has bf16 instructions), with `few_rows` its few-rows step
+    too. Yields a line for each as it is written, or saying why there is none; `model` stays float32.
+
+    `jobs`: how many processes compile the parts at once (`compiled_apart`); by default one per core this process
+    may use, at most one per part. One part is mostly one core's work (Inductor's lowering in Python, then a g++
+    call), so two cores compile them in about two thirds of the time; the bfloat16 few-rows step, whose compiling
+    times kernels (`TIMED_PARTS`), comes last, alone. With 1, this process compiles them one after another. The
+    steps are the same either way.
+
+    Raises:
+        UserInputError: a step that cannot be compiled here (no C++ compiler: `compile_decoder_step`)."""
+    from .precision import bf16_is_fast
+
+    parts = [
+        part
+        for part in PART_SECONDS
+        if (few_rows or not part.endswith("-few")) and (int8 or part != "int8") and (bf16 or "bfloat16" not in part)
+    ]
+    if bf16:
+        fast, why = bf16_is_fast("cpu")
+        if not fast:
+            parts = [part for part in parts if "bfloat16" not in part]
+            yield f"no bfloat16 step: --dtype auto decodes in float32 here ({why})"
+    shared = [part for part in parts if part not in TIMED_PARTS]
+    jobs = min(len(shared), usable_cores() if jobs is None else jobs)
+    if jobs > 1:
+        yield from compiled_apart(model, folder, shared, jobs)
+    for part in parts if jobs <= 1 else [part for part in parts if part in TIMED_PARTS]:
+        yield from compiled_part(model, folder, part)
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity where the OS has one, as torch counts its threads)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def compiled_part(model: nn.Module, folder: str | os.PathLike, part: str):
+    """Compile one of `PART_SECONDS`' parts of float32 `model` into `folder`, yielding `compile_decoder_steps`'
+    lines."""
     import copy
     import time
 
-    from .precision import bf16_is_fast
     from .quantization import quantize_int8
 
     start = time.perf_counter()
-    yield f"wrote the compiled decoding step to {compile_decoder_step(model, folder)} in {time.perf_counter() - start:.1f} s"
-    if few_rows:
-        start = time.perf_counter()
-        out = compile_decoder_step(model, folder, few_rows=True)
-        yield f"wrote the few-rows decoding step to {out} in {time.perf_counter() - start:.1f} s"
-    start = time.perf_counter()
-    try:  # beam search's bookkeeping at a sentence a call, for every precision (one_source_beams.py)
-        out = one_source_beams.build(folder)
-    except UserInputError as error:
-        yield f"{error}: beam search over one source keeps its Python loop"
-    else:
-        yield f"wrote the beam-search library to {out} in {time.perf_counter() - start:.1f} s"
-    if int8:
-        start = time.perf_counter()
+
+    def took() -> str:
+        return f"in {time.perf_counter() - start:.1f} s"
+
+    if part == "float32":
+        yield f"wrote the compiled decoding step to {compile_decoder_step(model, folder)} {took()}"
+    elif part == "float32-few":
+        yield f"wrote the few-rows decoding step to {compile_decoder_step(model, folder, few_rows=True)} {took()}"
+    elif part == "beams":
+        try:  # beam search's bookkeeping at a sentence a call, for every precision (one_source_beams.py)
+            out = one_source_beams.build(folder)
+        except UserInputError as error:
+            yield f"{error}: beam search over one source keeps its Python loop"
+        else:
+            yield f"wrote the beam-search library to {out} {took()}"
+    elif part == "int8":
         kernel = None
         try:  # the int8 products of a few rows (int8_rows.py), which the int8 model below takes when loaded
             kernel = int8_rows.build(folder)
         except UserInputError as error:
             yield f"{error}: the int8 model's products of a few rows stay fbgemm's"
         else:
-            yield f"wrote the int8 few-rows kernel to {kernel} in {time.perf_counter() - start:.1f} s"
+            yield f"wrote the int8 few-rows kernel to {kernel} {took()}"
         start = time.perf_counter()
         try:
             quantized = quantize_int8(model)  # a copy, as the bfloat16 model below
         except UserInputError as error:  # no int8 engine in this torch: --int8 is refused here anyway
             yield f"no int8 step: {error}"
-        else:
-            out = compile_decoder_step(quantized, folder)
-            yield f"wrote the int8 model's compiled decoding step to {out} in {time.perf_counter() - start:.1f} s"
-            if kernel is not None and int8_rows.load(folder):
-                if not has_rows_kernel(quantized):  # a model loaded from another folder than this one
-                    use_rows_kernel(quantized)
-                start = time.perf_counter()
-                out = compile_decoder_step(quantized, folder, few_rows=True)
-                seconds = time.perf_counter() - start
-                yield f"wrote the int8 model's few-rows decoding step to {out} in {seconds:.1f} s"
-    if bf16:
-        fast, why = bf16_is_fast("cpu")
-        if not fast:
-            yield f"no bfloat16 step: --dtype auto decodes in float32 here ({why})"
             return
-        start = time.perf_counter()
+        yield f"wrote the int8 model's compiled decoding step to {compile_decoder_step(quantized, folder)} {took()}"
+        if kernel is not None and int8_rows.load(folder):
+            if not has_rows_kernel(quantized):  # a model loaded from another folder than this one, or none
+                use_rows_kernel(quantized)
+            start = time.perf_counter()
+            out = compile_decoder_step(quantized, folder, few_rows=True)
+            yield f"wrote the int8 model's few-rows decoding step to {out} {took()}"
+    else:
         # the copy goes without the float32 step, whose library would be loaded again for it
         bfloat16 = copy.deepcopy(model, memo={id(getattr(model, "_compiled_step", None)): None}).to(torch.bfloat16)
-        out = compile_decoder_step(bfloat16, folder)
-        yield f"wrote the bfloat16 model's compiled decoding step to {out} in {time.perf_counter() - start:.1f} s"
-        if few_rows:
-            start = time.perf_counter()
+        if part == "bfloat16":
+            yield f"wrote the bfloat16 model's compiled decoding step to {compile_decoder_step(bfloat16, folder)} {took()}"
+        else:
             out = compile_decoder_step(bfloat16, folder, few_rows=True)
-            seconds = time.perf_counter() - start
-            yield f"wrote the bfloat16 model's few-rows decoding step to {out} in {seconds:.1f} s"
+            yield f"wrote the bfloat16 model's few-rows decoding step to {out} {took()}"
+
+
+def shared_out(parts: list[str], jobs: int) -> list[list[str]]:
+    """`parts` in `jobs` groups of about equal time (`PART_SECONDS`: the longest first, each into the group that
+    ends soonest), each group in `PART_SECONDS`' order; the first group holds "float32" where it is compiled."""
+    groups: list[list[str]] = [[] for _ in range(jobs)]
+    for part in sorted(parts, key=PART_SECONDS.__getitem__, reverse=True):
+        min(groups, key=lambda group: sum(map(PART_SECONDS.__getitem__, group))).append(part)
+    groups = [sorted(group, key=list(PART_SECONDS).index) for group in groups if group]
+    return sorted(groups, key=lambda group: "float32" not in group)
+
+
+def compiled_apart(model: nn.Module, folder: str | os.PathLike, parts: list[str], jobs: int):
+    """`compile_decoder_steps` with its parts shared between this process and `jobs` - 1 others (`shared_out`).
+    Each other is a fresh Python (`compiling_process`: nothing of this process' state or its `__main__` is
+    carried over) that reads the model from a file written for it (config and weights: the model as it is, wherever
+    it came from) and sends back each line as it writes its part. Their lines are passed on as they come; the
+    first error is raised once this process' own parts are done (a `UserInputError` as itself). An interrupted
+    compile stops them all."""
+    import queue as queues
+    import subprocess
+    import tempfile
+    import threading
+
+    import vaswani_tx
+
+    groups = shared_out(parts, jobs)
+    yield f"compiling {len(parts)} parts in {len(groups)} processes at once (--jobs 1: one after another)"
+    messages: queues.Queue = queues.Queue()
+    environment = dict(os.environ)  # this package, wherever this process found it
+    package_root = str(Path(vaswani_tx.__file__).resolve().parent.parent)
+    environment["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, environment.get("PYTHONPATH")]))
+    with tempfile.TemporaryDirectory(prefix="vaswani-tx-compile-") as scratch:
+        model_file = os.path.join(scratch, "model.pt")
+        write_model(model, model_file)
+        others = [
+            subprocess.Popen(
+                [*compiling_command(), model_file, str(folder), *group], stdout=subprocess.PIPE, env=environment
+            )
+            for group in groups[1:]
+        ]
+
+        def read(process: subprocess.Popen) -> None:
+            for raw in process.stdout:
+                try:
+                    messages.put(dict(json.loads(raw)))
+                except ValueError:  # not a message (nothing else writes there): passed on as it is
+                    messages.put({"line": raw.decode(errors="replace").rstrip()})
+            messages.put({"ended": process.wait()})
+
+        for process in others:
+            threading.Thread(target=read, args=(process,), daemon=True).start()
+        failures, ended = [], 0
+        try:
+            for part in groups[0]:
+                yield from compiled_part(model, folder, part)
+                while not messages.empty():
+                    ended, line = _received(messages.get(), ended, failures)
+                    if line:
+                        yield line
+            while ended < len(others):
+                ended, line = _received(messages.get(), ended, failures)
+                if line:
+                    yield line
+        finally:
+            for process in others:
+                if process.poll() is None:
+                    process.terminate()
+                process.wait()
+    if failures:
+        user, text = failures[0]
+        raise UserInputError(text) if user else RuntimeError(text)
+
+
+def write_model(model: nn.Module, path: str | os.PathLike) -> None:
+    """`model`'s config and weights into `path`, for `read_model` in another process."""
+    torch.save({"config": model.config.to_dict(), "state": model.state_dict()}, path)
+
+
+def read_model(path: str | os.PathLike) -> nn.Module:
+    """The model `write_model` wrote, in evaluation mode."""
+    from .configuration_vaswani import VaswaniConfig
+    from .modeling_vaswani import VaswaniForConditionalGeneration
+
+    saved = torch.load(path, mmap=True, weights_only=True)
+    model = VaswaniForConditionalGeneration(VaswaniConfig.from_dict(saved["config"]))
+    model.load_state_dict(saved["state"])
+    return model.eval()
+
+
+def compiling_command() -> list[str]:
+    """The command line of a `compiling_process`, before its arguments."""
+    import sys
+
+    return [sys.executable, "-c", "from vaswani_tx.compile_step import compiling_process as run; run()"]
+
+
+def _received(message: dict, ended: int, failures: list) -> tuple[int, str | None]:
+    """One message of a `compiling_process`: (processes ended so far, the line to pass on or None)."""
+    if "line" in message:
+        return ended, message["line"]
+    if "error" in message:
+        failures.append((message["user"], message["error"]))
+    elif message["ended"] != 0 and not failures:  # killed (out of memory, a signal) before it could say why
+        failures.append((False, f"a compiling process ended with exit code {message['ended']} (its output is above)"))
+    return ended + ("ended" in message), None
+
+
+def compiling_process() -> None:
+    """A process of `compiled_apart` (arguments: the model's file, the folder, the parts): the model rebuilt from its
+    config and weights, then its parts, each line sent as a JSON line on stdout. Everything else written to stdout
+    goes to stderr, where it cannot be taken for a message. Stopped (SIGTERM, Ctrl-C), it leaves no partial folder
+    (`atomic_folder`) and exits 130."""
+    import sys
+
+    out = os.fdopen(os.dup(sys.stdout.fileno()), "w", encoding="utf-8")
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
+
+    def send(**message) -> None:
+        out.write(json.dumps(message) + "\n")
+        out.flush()
+
+    model_file, folder, *parts = sys.argv[1:]
+    try:
+        with sigterm_as_interrupt():  # stopped by `compiled_apart` (SIGTERM): its folder's partial parts removed
+            model = read_model(model_file)
+            for part in parts:
+                for line in compiled_part(model, folder, part):
+                    send(line=line)
+    except KeyboardInterrupt:
+        sys.exit(130)
+    except UserInputError as error:
+        send(error=str(error), user=True)
+        sys.exit(2)
+    except Exception as error:
+        import traceback
+
+        traceback.print_exc()
+        send(error=f"{type(error).__name__}: {error}", user=False)
+        sys.exit(1)
 
 
 def compile_decoder_step(model: nn.Module, folder: str | os.PathLike, few_rows: bool = False) -> Path:

@@ -23,8 +23,9 @@ Beam search over one source (a sentence a call: a service, the pipeline given a 
 library built here with g++ (MODEL/beam-search, about 17 s; one_source_beams.py): the same choices as its Python
 loop in one call a step, loaded by `from_pretrained` where it was built for this torch and Python, for every
 precision.
-Takes 20-60 s for each step of the base model or the main job's on 2 cores (60 s with Inductor's cache cold);
-run it again after changing the weights or torch.
+Takes 20-60 s for each step of the base model or the main job's (60 s with Inductor's cache cold), a few steps at
+a time in processes of their own, one per core (--jobs): on 2 cores a little over half the time of one after
+another. Run it again after changing the weights or torch.
 
 examples:
   vaswani-tx compile runs/multi30k-en-de/averaged
@@ -61,17 +62,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "MODEL/compiled-few-bf16: for calls of a few rows, a sentence at a time, greedy or with a small beam) "
         "as well",
     )
+    parser.add_argument(
+        "--jobs",
+        type=int,
+        help="how many processes compile the steps at once (default: one per core, at most one per step: about half "
+        "the time on 2 cores); 1 compiles them one after another in this process",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from vaswani_tx.compile_step import compile_decoder_steps
+    from vaswani_tx.errors import UserInputError
     from vaswani_tx.modeling_vaswani import VaswaniForConditionalGeneration
     from vaswani_tx.translation import check_model_folder
 
+    if args.jobs is not None and args.jobs < 1:
+        raise UserInputError(f"--jobs must be >= 1, got {args.jobs}")
     check_model_folder(Path(args.model))
     model = VaswaniForConditionalGeneration.from_pretrained(args.model)
-    for line in compile_decoder_steps(model, args.model, int8=args.int8, bf16=args.bf16, few_rows=args.few_rows):
-        print(line)
+    for line in compile_decoder_steps(
+        model, args.model, int8=args.int8, bf16=args.bf16, few_rows=args.few_rows, jobs=args.jobs
+    ):
+        print(line, flush=True)  # as each is written: the others take minutes
     return 0
