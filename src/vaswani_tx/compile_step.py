@@ -216,7 +216,8 @@ def compile_decoder_steps(
     jobs = min(len(shared), usable_cores() if jobs is None else jobs)
     if jobs > 1:
         yield from compiled_apart(model, folder, shared, jobs)
-    for part in parts if jobs <= 1 else [part for part in parts if part in TIMED_PARTS]:
+        parts = [part for part in parts if part in TIMED_PARTS]  # the others are written
+    for part in parts:
         yield from compiled_part(model, folder, part)
 
 
@@ -302,20 +303,17 @@ def compiled_apart(model: nn.Module, folder: str | os.PathLike, parts: list[str]
     import tempfile
     import threading
 
-    import vaswani_tx
-
     groups = shared_out(parts, jobs)
     yield f"compiling {len(parts)} parts in {len(groups)} processes at once (--jobs 1: one after another)"
     messages: queues.Queue = queues.Queue()
-    environment = dict(os.environ)  # this package, wherever this process found it
-    package_root = str(Path(vaswani_tx.__file__).resolve().parent.parent)
-    environment["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, environment.get("PYTHONPATH")]))
     with tempfile.TemporaryDirectory(prefix="vaswani-tx-compile-") as scratch:
         model_file = os.path.join(scratch, "model.pt")
         write_model(model, model_file)
         others = [
             subprocess.Popen(
-                [*compiling_command(), model_file, str(folder), *group], stdout=subprocess.PIPE, env=environment
+                [*compiling_command(), model_file, str(folder), *group],
+                stdout=subprocess.PIPE,
+                env=compiling_environment(),
             )
             for group in groups[1:]
         ]
@@ -331,17 +329,20 @@ def compiled_apart(model: nn.Module, folder: str | os.PathLike, parts: list[str]
         for process in others:
             threading.Thread(target=read, args=(process,), daemon=True).start()
         failures, ended = [], 0
-        try:
-            for part in groups[0]:
-                yield from compiled_part(model, folder, part)
-                while not messages.empty():
-                    ended, line = _received(messages.get(), ended, failures)
-                    if line:
-                        yield line
-            while ended < len(others):
+
+        def passed_on(until_all_ended: bool):
+            """The others' lines: those received so far, or all until every other process has ended."""
+            nonlocal ended
+            while ended < len(others) if until_all_ended else not messages.empty():
                 ended, line = _received(messages.get(), ended, failures)
                 if line:
                     yield line
+
+        try:
+            for part in groups[0]:
+                yield from compiled_part(model, folder, part)
+                yield from passed_on(until_all_ended=False)
+            yield from passed_on(until_all_ended=True)
         finally:
             for process in others:
                 if process.poll() is None:
@@ -373,6 +374,15 @@ def compiling_command() -> list[str]:
     import sys
 
     return [sys.executable, "-c", "from vaswani_tx.compile_step import compiling_process as run; run()"]
+
+
+def compiling_environment() -> dict[str, str]:
+    """This process' environment for a `compiling_process`, with this package first on its path (wherever this
+    process found it: installed, or a checkout's src on `sys.path`)."""
+    import vaswani_tx
+
+    package_root = str(Path(vaswani_tx.__file__).resolve().parent.parent)
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))}
 
 
 def _received(message: dict, ended: int, failures: list) -> tuple[int, str | None]:
