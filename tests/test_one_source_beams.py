@@ -16,11 +16,12 @@ import pytest
 import torch
 from transformers import LogitsProcessorList
 
-from test_fast_decoding import ONE_SOURCE_SETTINGS, EndsAt, eos_prone_model
+from test_fast_decoding import ONE_SOURCE_SETTINGS, EndsAt, eos_prone_model, screen_model
 from test_int8_rows import in_a_fresh_process
 from test_modeling import batch, tiny_model
 from vaswani_tx import compiled_decoding, fast_decoding, native, one_source_beams
 from vaswani_tx.errors import UserInputError
+from vaswani_tx.generation_vaswani import fairseq_generation_config
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="no C++ compiler (g++) to build the library")
 
@@ -120,6 +121,66 @@ def test_sentences_ending_early_under_a_processor_that_reads_ids(paths):
         native = paths(True, model.generate, **kwargs)
         assert torch.equal(native, paths(False, model.generate, **kwargs))
         assert torch.equal(native, model.generate(fast_decoding=False, **kwargs))
+
+
+# --- greedy search's int8 screen (`ScreenedArgmax`), its work after the int8 product in one call --------------------
+
+
+def test_the_librarys_screen_chooses_as_pythons(paths):
+    """The same token as the Python screen and as the whole product's argmax for 1-7 rows at many scales, a near-tie,
+    masked columns; None (every logit computed by the caller) for a row all masked, a NaN, a flat row."""
+    model = screen_model(seed=11)
+    screen = fast_decoding.ScreenedArgmax.of(model, 1)
+    if screen is None:
+        pytest.skip(f"no int8 screen on this CPU (capability {torch.backends.cpu.get_cpu_capability()})")
+    weight = model.lm_head.weight.detach()
+    g = torch.Generator().manual_seed(3)
+    for trial in range(60):
+        hidden = torch.randn(1 + trial % 7, weight.shape[1], generator=g) * (0.25 + trial % 12)
+        native = paths(True, screen, hidden)
+        assert native is not None and torch.equal(native, paths(False, screen, hidden)), trial
+        assert torch.equal(native, (hidden @ weight.t()).argmax(dim=1)), trial
+    hidden = torch.randn(3, weight.shape[1], generator=g) * 8
+    best = int((hidden[0] @ weight.t()).argmax())
+    with torch.no_grad():  # the runner-up a hair below the best: int8 cannot tell them apart, float32 can
+        weight[best + 1 if best + 1 < weight.shape[0] else best - 1] = weight[best] * (1 - 1e-6)
+    screen = fast_decoding.ScreenedArgmax(weight)
+    assert int(paths(True, screen, hidden)[0]) == best
+
+    def without_best(scores):
+        scores[:, best] = -math.inf
+        return scores
+
+    masked = (hidden @ weight.t()).index_fill_(1, torch.tensor([best]), -math.inf)
+    assert torch.equal(paths(True, screen, hidden, without_best), masked.argmax(dim=1))
+    assert paths(True, screen, hidden, lambda scores: scores.fill_(-math.inf)) is None
+    assert paths(True, screen, torch.full_like(hidden, math.nan)) is None
+    assert paths(True, screen, torch.zeros_like(hidden)) is None  # every column ties: more than the share left
+
+
+@pytest.mark.parametrize("settings", ["plain", "minimum length and suppressed tokens", "fairseq's cap"])
+def test_greedy_search_through_the_librarys_screen_gives_transformers_ids(settings, paths, monkeypatch):
+    model = screen_model(seed=12)
+    if fast_decoding.ScreenedArgmax.of(model, 1) is None:
+        pytest.skip(f"no int8 screen on this CPU (capability {torch.backends.cpu.get_cpu_capability()})")
+    kwargs = {
+        "plain": dict(num_beams=1, max_new_tokens=12),
+        "minimum length and suppressed tokens": dict(num_beams=1, max_new_tokens=12, min_new_tokens=6,
+                                                     suppress_tokens=[7, 9]),
+        "fairseq's cap": dict(generation_config=fairseq_generation_config(model.config, beam=1, max_len_a=1.0,
+                                                                          max_len_b=2)),
+    }[settings]  # fmt: skip
+    chosen = []
+    choice = sys.modules[fast_decoding.BEAMS_MODULE].screened_choice
+    monkeypatch.setattr(
+        sys.modules[fast_decoding.BEAMS_MODULE], "screened_choice", lambda *a: chosen.append(1) or choice(*a)
+    )
+    for lengths in ((7,), (7, 4, 6)):  # one row; rows finishing at different steps
+        ids, mask = batch(seed=4, lengths=lengths, vocab=model.config.vocab_size)
+        native = paths(True, model.generate, input_ids=ids, attention_mask=mask, **kwargs)
+        assert torch.equal(native, paths(False, model.generate, input_ids=ids, attention_mask=mask, **kwargs))
+        assert torch.equal(native, model.generate(input_ids=ids, attention_mask=mask, fast_decoding=False, **kwargs))
+    assert chosen
 
 
 def test_the_slots_reordering_copies_what_pythons_does(paths):

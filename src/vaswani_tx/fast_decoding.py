@@ -789,6 +789,15 @@ class ScreenedArgmax:
         """The argmax of each row of `hidden @ W^T` over the columns `mask(scores)` leaves (it returns the scores
         with the masked columns at -inf), or None where the caller should compute all the logits."""
         rows = hidden.reshape(-1, hidden.shape[-1])
+        library = beams_library()
+        if library is not None and rows.device.type == "cpu":  # the same, in C++ (kernels/one_source_beams.cpp)
+            rounded, screened = library.screened_logits(rows, self.quantized, self.scales)
+            if mask is not None:
+                screened = mask(screened)
+            chosen = library.screened_choice(
+                rows, rounded, screened, self.weight, self.norm, self.error, SCREEN_MAX_SHARE
+            )
+            return chosen if chosen.numel() else None
         rounded = rows.to(torch.bfloat16)
         screened = torch._weight_int8pack_mm(rounded, self.quantized, self.scales).float()
         slack = self.bounds(rows, rounded, screened)
