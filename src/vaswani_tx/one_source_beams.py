@@ -10,6 +10,10 @@ long again. The library does all of that in one call a step, with the same choic
 
 It is loaded where its manifest matches this torch, this Python and this source; anywhere else beam search keeps
 its Python loop (one logged line), with the same results.
+
+The library also holds the other per-step work of a sentence a call that was many small tensor operations in Python:
+the compiled step's slot views and their reordering (`PositionSlots`), and greedy search's int8 screen after the int8
+product (`ScreenedArgmax`: the bound, the columns left, their float32 product, the argmax).
 """
 
 from __future__ import annotations
