@@ -934,10 +934,15 @@ def test_beam_search_over_a_vocabulary_large_enough_for_the_block_top_k(loops):
 
 
 @pytest.fixture
-def one_source(monkeypatch):
-    """How many calls beam search handed to `one_source_search` (one source: its bookkeeping in Python; the C++
-    library's, test_one_source_beams.py, is set aside where an earlier test loaded it)."""
+def library_set_aside(monkeypatch):
+    """The Python paths where the C++ library (test_one_source_beams.py's: beam search's bookkeeping for one source,
+    greedy search's screen) would take over: it is set aside where an earlier test loaded it."""
     monkeypatch.delitem(sys.modules, fast_decoding.BEAMS_MODULE, raising=False)
+
+
+@pytest.fixture
+def one_source(monkeypatch, library_set_aside):
+    """How many calls beam search handed to `one_source_search` (one source: its bookkeeping in Python)."""
     calls = []
     original = fast_decoding.one_source_search
 
@@ -1039,13 +1044,6 @@ def screen_model(seed: int = 5):
     return tiny_model(seed=seed, vocab_size=fast_decoding.SCREEN_MIN_VOCABULARY + 37, d_model=32, num_heads=4)
 
 
-@pytest.fixture
-def python_screen(monkeypatch):
-    """The screen's Python path (the C++ library's, test_one_source_beams.py, is set aside where an earlier test
-    loaded it)."""
-    monkeypatch.delitem(sys.modules, fast_decoding.BEAMS_MODULE, raising=False)
-
-
 def screened_argmax(model):
     screen = fast_decoding.ScreenedArgmax.of(model, 1)
     if screen is None:
@@ -1054,7 +1052,7 @@ def screened_argmax(model):
 
 
 @pytest.mark.parametrize("rows", [1, 2, 5, fast_decoding.SCREEN_MAX_ROWS])
-def test_the_screened_argmax_is_the_whole_products(rows, python_screen):
+def test_the_screened_argmax_is_the_whole_products(rows, library_set_aside):
     """Only the columns that can hold a row's maximum are computed in float32; their argmax is the whole product's,
     near-ties (a column a hair above another), masked columns and all of the vocabulary included."""
     model = screen_model()
@@ -1109,7 +1107,7 @@ def test_the_int8_products_rounding_is_within_the_screens_bound():
         "fairseq's cap",  # the source length + 2 (SourceLengthCap): rows end at different steps, at their cap
     ],
 )
-def test_greedy_search_through_the_screen_gives_transformers_ids(settings, loops, monkeypatch, python_screen):
+def test_greedy_search_through_the_screen_gives_transformers_ids(settings, loops, monkeypatch, library_set_aside):
     model = screen_model()
     screened_argmax(model)
     if settings == "fairseq's cap":
@@ -1132,7 +1130,7 @@ def test_greedy_search_through_the_screen_gives_transformers_ids(settings, loops
     assert loops == ["greedy_search", "greedy_search"]
 
 
-def test_a_torch_whose_int8_product_rounds_beyond_the_bound_gets_no_screen(monkeypatch, loops, python_screen):
+def test_a_torch_whose_int8_product_rounds_beyond_the_bound_gets_no_screen(monkeypatch, loops, library_set_aside):
     model = screen_model(seed=6)
     screened_argmax(model)
     fast_decoding._SCREENS.pop(model, None)
@@ -1144,7 +1142,7 @@ def test_a_torch_whose_int8_product_rounds_beyond_the_bound_gets_no_screen(monke
     assert torch.equal(fast, stock)
 
 
-def test_the_screen_follows_the_weights(loops, python_screen):
+def test_the_screen_follows_the_weights(loops, library_set_aside):
     """One int8 copy per model, made again when W changes (an optimizer step, a loaded state dict)."""
     model = screen_model(seed=7)
     screen = screened_argmax(model)

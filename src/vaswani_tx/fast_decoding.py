@@ -795,7 +795,7 @@ class ScreenedArgmax:
         with the masked columns at -inf), or None where the caller should compute all the logits."""
         rows = hidden.reshape(-1, hidden.shape[-1])
         library = beams_library()
-        if library is not None and rows.device.type == "cpu":  # the same, in C++ (kernels/one_source_beams.cpp)
+        if library is not None:  # the same, in C++ (kernels/one_source_beams.cpp); W, and so x, is on the CPU
             rounded, screened = library.screened_logits(rows, self.quantized, self.scales)
             if mask is not None:
                 screened = mask(screened)
