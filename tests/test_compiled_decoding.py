@@ -27,7 +27,7 @@ from test_modeling import batch
 from vaswani_tx import compile_step, compiled_decoding, fast_decoding, int8_rows, one_source_beams
 from vaswani_tx.cli import main
 from vaswani_tx.compile_step import compile_decoder_step
-from vaswani_tx.compiled_decoding import FOLDER, MANIFEST, PACKAGE
+from vaswani_tx.compiled_decoding import ENCODER_FOLDER, FOLDER, MANIFEST, PACKAGE
 from vaswani_tx.errors import UserInputError
 from vaswani_tx.modeling_vaswani import VaswaniForConditionalGeneration
 from vaswani_tx.precision import bf16_is_fast
@@ -66,7 +66,7 @@ def ending_calls(ending, settings: dict):
 
 def eager_twin(folder):
     model = VaswaniForConditionalGeneration.from_pretrained(folder)
-    model._compiled_step = None
+    model._compiled_step, model._compiled_folder = None, None  # (no folder: no compiled encoder either)
     return model
 
 
@@ -284,6 +284,122 @@ def test_a_call_down_to_a_few_rows_goes_on_through_the_few_rows_step(
         assert torch.equal(model.generate(**kwargs, **settings), eager.generate(**kwargs, **settings))
         assert len(lengths) * beams > compiled_decoding.FEW_ROWS_MAX
         assert few_rows_calls[0] is False and few_rows_calls[-1] is True and few_rows_calls == sorted(few_rows_calls)
+
+
+@pytest.fixture
+def encoder_calls(monkeypatch):
+    """The shape of each source the compiled encoder encodes."""
+    calls = []
+    original = compiled_decoding.CompiledEncoder.__call__
+    monkeypatch.setattr(
+        compiled_decoding.CompiledEncoder,
+        "__call__",
+        lambda self, ids: calls.append(tuple(ids.shape)) or original(self, ids),
+    )
+    return calls
+
+
+def one_source(length: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    ids, mask = batch(seed=seed, lengths=(length,))
+    return ids, mask
+
+
+def test_one_source_a_call_is_encoded_by_the_compiled_encoder(compiled_folder, encoder_calls):
+    """`vaswani-tx compile` writes the encoder of one source (`compiled-encoder`: its own copy of the encoder's weights
+    packed for Inductor's kernels, beside a package that holds none). One unpadded source a call (its mask all ones, or
+    none) is encoded there: the eager encoder's output to float32 rounding at every length, and generate()'s ids,
+    greedy and beam, the eager model's."""
+    encoder_folder = compiled_folder / compiled_decoding.ENCODER_FOLDER
+    manifest = json.loads((encoder_folder / MANIFEST).read_text())
+    assert manifest["part"] == "encoder" and (encoder_folder / compiled_decoding.FEW_ROWS_WEIGHTS).is_file()
+    assert_holds_no_weights(encoder_folder / PACKAGE)
+    model = VaswaniForConditionalGeneration.from_pretrained(compiled_folder)
+    eager = eager_twin(compiled_folder)
+    assert "encoder" not in model._compiled_steps  # loaded at the first call that needs it
+    for length in (1, 2, 7, 23):
+        ids, mask = one_source(length, seed=length)
+        with torch.no_grad():
+            compiled = compiled_decoding.encoder_for(model, ids, mask)
+            expected = eager.get_encoder()(input_ids=ids).last_hidden_state
+            torch.testing.assert_close(compiled(ids), expected, rtol=1e-5, atol=1e-5)
+        for settings in (dict(num_beams=1), dict(num_beams=3), dict(num_beams=2, min_new_tokens=4)):
+            for given_mask in (mask, None):
+                encoder_calls.clear()
+                out = model.generate(input_ids=ids, attention_mask=given_mask, max_new_tokens=12, **settings)
+                assert torch.equal(
+                    out, eager.generate(input_ids=ids, attention_mask=mask, max_new_tokens=12, **settings)
+                )
+                assert encoder_calls == [(1, length)]
+
+
+def test_what_the_compiled_encoder_does_not_cover_is_encoded_eagerly(compiled_folder, encoder_calls, caplog):
+    """Several sources, a padded one, attentions asked for, a source longer than the encoder's positions, gradients on,
+    training mode, weights changed in place, a bfloat16 model: the eager encoder (no line said), the same ids."""
+    model = VaswaniForConditionalGeneration.from_pretrained(compiled_folder)
+    eager = eager_twin(compiled_folder)
+    ids, mask = one_source(7)
+    compiled = compiled_decoding.encoder_for(model, ids, mask)
+    assert compiled is None  # gradients on (outside generate())
+    with torch.no_grad():
+        compiled = compiled_decoding.encoder_for(model, ids, mask)
+        assert compiled is not None
+        model.train()
+        assert compiled_decoding.encoder_for(model, ids, mask) is None
+        model.eval()
+    several, several_mask = batch(seed=2, lengths=(7, 4))
+    padded, padded_mask = batch(seed=2, lengths=(7, 4))
+    cases = [
+        (several, several_mask, {}),
+        (padded[1:], padded_mask[1:], {}),  # one source with padding
+        (ids, mask, dict(output_attentions=True, return_dict_in_generate=True)),
+    ]
+    with caplog.at_level(logging.WARNING, logger="vaswani_tx.compiled_decoding"):
+        for source, source_mask, settings in cases:
+            out = model.generate(input_ids=source, attention_mask=source_mask, num_beams=2, **settings)
+            expected = eager.generate(input_ids=source, attention_mask=source_mask, num_beams=2, **settings)
+            if settings:
+                out, expected = out.sequences, expected.sequences
+            assert torch.equal(out, expected)
+        model._compiled_steps["encoder"].rows = 6  # as if compiled for 6 positions: a 7-token source is longer
+        assert torch.equal(model.generate(input_ids=ids), eager.generate(input_ids=ids))
+        model._compiled_steps["encoder"].rows = model.config.max_position_embeddings
+        with torch.no_grad():
+            for twin in (model, eager):  # the weights changed in place: a copy of other weights no longer serves
+                twin.get_encoder().layers[0].feed_forward.w_2.bias += 0.5
+        assert torch.equal(model.generate(input_ids=ids, num_beams=2), eager.generate(input_ids=ids, num_beams=2))
+        model.to(torch.bfloat16)
+        model.generate(input_ids=ids, max_new_tokens=3)
+    assert encoder_calls == [] and not [record for record in caplog.records if "encoder" in record.getMessage()]
+
+
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        (lambda folder: edit_manifest(folder, ENCODER_FOLDER, torch="2.0.0"), "made with torch 2.0.0"),
+        (lambda folder: edit_manifest(folder, ENCODER_FOLDER, weights="00000000"), "made for other weights"),
+        (lambda folder: truncate(folder / ENCODER_FOLDER / PACKAGE), "cannot be loaded"),
+    ],
+    ids=["other-torch", "other-weights", "truncated"],
+)
+def test_a_compiled_encoder_that_does_not_fit_is_one_line_and_the_eager_encoder(
+    compiled_folder, tmp_path, caplog, encoder_calls, damage, message
+):
+    folder = copy_of(compiled_folder, tmp_path)
+    damage(folder)
+    model = VaswaniForConditionalGeneration.from_pretrained(folder)
+    ids, mask = one_source(9)
+    with caplog.at_level(logging.WARNING, logger="vaswani_tx.compiled_decoding"):
+        for _ in range(2):  # said once
+            out = model.generate(input_ids=ids, attention_mask=mask, num_beams=2)
+            assert torch.equal(out, eager_twin(folder).generate(input_ids=ids, attention_mask=mask, num_beams=2))
+    notes = [r.getMessage() for r in caplog.records if r.name == "vaswani_tx.compiled_decoding"]
+    assert len(notes) == 1 and message in notes[0] and "\n" not in notes[0], notes
+    assert "not using the compiled encoder" in notes[0] and "encoding eagerly" in notes[0]
+    assert encoder_calls == [] and model._compiled_step is not None  # the decoding steps still serve
+
+
+def truncate(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[:5000])
 
 
 def assert_holds_no_weights(package_path):
@@ -539,7 +655,7 @@ def test_a_bfloat16_models_calls_of_a_few_rows_decode_through_its_few_rows_step(
     fp32 = VaswaniForConditionalGeneration.from_pretrained(compiled_folder)
     ids, mask = batch(seed=4, lengths=(7,))
     fp32.generate(input_ids=ids, attention_mask=mask, max_new_tokens=12, num_beams=4)
-    assert set(fp32._compiled_steps) == {"float32", "few_rows"}
+    assert set(fp32._compiled_steps) == {"float32", "few_rows", "encoder"}
 
 
 @pytest.mark.skipif(not bf16_is_fast("cpu")[0], reason="a CPU without bf16 instructions: no bfloat16 step")
@@ -620,8 +736,8 @@ def copy_of(folder, tmp_path):
     return target
 
 
-def edit_manifest(folder, **changes):
-    path = folder / FOLDER / MANIFEST
+def edit_manifest(folder, part: str = FOLDER, **changes):
+    path = folder / part / MANIFEST
     manifest = json.loads(path.read_text())
     manifest.update(changes)
     path.write_text(json.dumps(manifest))
@@ -725,7 +841,10 @@ def test_compiles_parts_are_shared_out_evenly_the_timed_one_alone():
         assert "float32" in groups[0] and all(group == sorted(group, key=list(seconds).index) for group in groups)
         loads = [sum(seconds[part] for part in group) for group in groups]
         assert max(loads) - min(loads) <= max(seconds[part] for part in shared)
-    assert compile_step.shared_out(shared, 2) == [["float32", "float32-few", "beams"], ["int8", "bfloat16"]]
+    assert compile_step.shared_out(shared, 2) == [
+        ["float32", "float32-few", "bfloat16"],
+        ["float32-encoder", "beams", "int8"],
+    ]
 
 
 def test_a_compiling_process_rebuilds_the_model_as_it_is(tmp_path):

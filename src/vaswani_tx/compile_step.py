@@ -19,6 +19,7 @@ from torch import nn
 from . import int8_rows, one_source_beams
 from .atomic import atomic_folder, sigterm_as_interrupt
 from .compiled_decoding import (
+    ENCODER_FOLDER,
     FEW_ROWS_FOLDERS,
     FEW_ROWS_MAXIMA,
     FEW_ROWS_WEIGHTS,
@@ -75,6 +76,20 @@ class DecoderStep(nn.Module):
             return_dict=True,
         ).last_hidden_state
         return hidden[:, 0]
+
+
+class EncoderPass(nn.Module):
+    """The encoder stack over one source without padding (Section 3.1: the embedded source, scaled by sqrt(d_model)
+    and with its positional encodings added, through N layers), the function the compiled encoder is. It takes the
+    source tokens' rows of the embedding matrix (1, S, D), not their ids: that matrix is the decoder's and the
+    pre-softmax projection's too (Section 3.4), and compiled into the encoder it would be held twice."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model  # (its tensors keep the model's names: `step_tensors`)
+
+    def forward(self, rows: torch.Tensor) -> torch.Tensor:
+        return self.model.get_encoder()(inputs_embeds=rows, return_dict=True).last_hidden_state
 
 
 def onednn_products(model: nn.Module):
@@ -164,11 +179,16 @@ def _example(model: nn.Module, few_rows: bool = False) -> tuple:
 PART_SECONDS = {
     "float32": 28,
     "float32-few": 30,
+    "float32-encoder": 20,
     "beams": 17,
     "int8": 44,
     "bfloat16": 19,
     "bfloat16-few": 46,
 }
+
+
+# The parts for calls of a few rows (`few_rows`): the few-rows steps, and the encoder of one source a call.
+FEW_ROWS_PARTS = ("float32-few", "float32-encoder", "bfloat16-few")
 
 
 # Parts whose compiling times kernels to choose among them (Inductor's `max_autotune` with two GEMM backends: the
@@ -205,7 +225,7 @@ def compile_decoder_steps(
     parts = [
         part
         for part in PART_SECONDS
-        if (few_rows or not part.endswith("-few")) and (int8 or part != "int8") and (bf16 or "bfloat16" not in part)
+        if (few_rows or part not in FEW_ROWS_PARTS) and (int8 or part != "int8") and (bf16 or "bfloat16" not in part)
     ]
     if bf16:
         fast, why = bf16_is_fast("cpu")
@@ -243,6 +263,8 @@ def compiled_part(model: nn.Module, folder: str | os.PathLike, part: str):
         yield f"wrote the compiled decoding step to {compile_decoder_step(model, folder)} {took()}"
     elif part == "float32-few":
         yield f"wrote the few-rows decoding step to {compile_decoder_step(model, folder, few_rows=True)} {took()}"
+    elif part == "float32-encoder":
+        yield f"wrote the compiled encoder of one source to {compile_encoder(model, folder)} {took()}"
     elif part == "beams":
         try:  # beam search's bookkeeping at a sentence a call, for every precision (one_source_beams.py)
             out = one_source_beams.build(folder)
@@ -504,16 +526,7 @@ def compile_decoder_step(model: nn.Module, folder: str | os.PathLike, few_rows: 
             backends = "CPP" if kind == "float32" else "CPP,ATEN"
             configs.update(freezing=True, max_autotune=True, max_autotune_gemm_backends=backends)
             configs["aot_inductor.package_constants_on_disk_format"] = "pickle_weights"
-        try:
-            package = torch._inductor.aoti_compile_and_package(
-                program, package_path=str(out / PACKAGE), inductor_configs=configs
-            )
-        except Exception as error:  # no C++ compiler, a platform Inductor does not support: the environment's
-            lines = str(error).strip().splitlines() or [type(error).__name__]
-            raise UserInputError(
-                f"AOTInductor could not compile the decoding step ({lines[0][:300]}); it needs a C++ compiler "
-                "(g++ or clang++). The model decodes eagerly without it."
-            ) from error
+        package = _aoti_compiled(program, out, configs, "the decoding step")
         if packed:
             constants = _weights_apart(Path(package), known, out / FEW_ROWS_WEIGHTS)
         else:
@@ -534,6 +547,82 @@ def compile_decoder_step(model: nn.Module, folder: str | os.PathLike, few_rows: 
         }
         (out / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n", encoding="utf-8")
     return step_folder
+
+
+def compile_encoder(model: nn.Module, folder: str | os.PathLike) -> Path:
+    """Export and compile float32 `model`'s encoder for one source without padding (`EncoderPass`, any source length
+    up to the model's positions) into `folder`/compiled-encoder, replaced whole; returns that folder.
+
+    A sentence a call runs the encoder once over a handful of rows (3-40 source tokens), where each product reads
+    its weights for a few rows and Python's per-operator overhead is a large share: compiled as the few-rows step
+    is (Inductor's freezing, the weights packed for its C++ GEMM template into its own copy,
+    `compiled-encoder/weights.safetensors`), it takes about half the eager encoder's time (docs/speed.md). Calls of
+    several sources, or padded ones, keep the eager encoder, whose products serve many rows well.
+
+    Raises:
+        UserInputError: a model this cannot compile (not float32 on the CPU; no C++ compiler)."""
+    from torch.export import Dim, export
+
+    parameter = next(model.parameters())
+    if parameter.device.type != "cpu" or precision(model) != "float32":
+        raise UserInputError(
+            f"the compiled encoder is for float32 models on the CPU; this one is {parameter.dtype} on "
+            f"{parameter.device} (load it without dtype/device arguments)"
+        )
+    model.eval()
+    rows = int(model.config.max_position_embeddings)
+    positions = model.get_encoder().embeddings.embed_positions
+    table = None
+    if hasattr(positions, "table_function"):  # sinusoids: a constant of the graph, made at the maximum size
+        positions._table = None
+        positions(rows, 0, like=parameter)
+        table = positions._table
+    # a typical sentence's length: the size Inductor tunes the products for (1 would be taken as fixed)
+    example = torch.zeros(1, 16, model.config.d_model)
+    with torch.no_grad():
+        program = export(
+            EncoderPass(model), (example,), dynamic_shapes={"rows": {1: Dim("source_length", max=rows)}}, strict=False
+        )
+    known = step_tensors(model)
+    others = [name for name in program.constants if name not in known]
+    if len(others) > 1 or (others and table is None):
+        raise UserInputError(f"the encoder reads tensors that are not the model's weights: {others}")
+    with atomic_folder(Path(folder) / ENCODER_FOLDER) as out:
+        configs = {
+            "aot_inductor.package_constants_in_so": False,
+            "aot_inductor.package_constants_on_disk_format": "pickle_weights",
+            "freezing": True,
+            "max_autotune": True,
+            "max_autotune_gemm_backends": "CPP",
+        }
+        package = Path(_aoti_compiled(program, out, configs, "the encoder"))
+        manifest = {
+            "format": FORMAT,
+            **machine(),
+            "architecture": architecture_fingerprint(model.config),
+            "weights": weights_fingerprint(model),
+            "positions": rows,
+            "table_rows": None if table is None else table.shape[0],
+            "constants": _weights_apart(package, known, out / FEW_ROWS_WEIGHTS),
+            "precision": "float32",
+            "part": "encoder",
+        }
+        (out / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n", encoding="utf-8")
+    return Path(folder) / ENCODER_FOLDER
+
+
+def _aoti_compiled(program, out: Path, configs: dict, what: str) -> str:
+    """AOTInductor's package of the exported `program` in `out`; a compiler that fails is the environment's."""
+    try:
+        return torch._inductor.aoti_compile_and_package(
+            program, package_path=str(out / PACKAGE), inductor_configs=configs
+        )
+    except Exception as error:  # no C++ compiler, a platform Inductor does not support
+        lines = str(error).strip().splitlines() or [type(error).__name__]
+        raise UserInputError(
+            f"AOTInductor could not compile {what} ({lines[0][:300]}); it needs a C++ compiler (g++ or clang++). "
+            "The model decodes eagerly without it."
+        ) from error
 
 
 def _weights_apart(package: Path, known: dict, weights: Path) -> dict[str, str]:

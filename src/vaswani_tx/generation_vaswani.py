@@ -33,9 +33,18 @@ from transformers import GenerationConfig, GenerationMixin
 from transformers.generation import logits_process
 from transformers.generation.logits_process import LogitsProcessor, LogitsProcessorList
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria, StoppingCriteriaList
+from transformers.modeling_outputs import BaseModelOutput
 
-from .errors import UserInputError
-from .fast_decoding import beam_search, fast_decoding_applies, greedy_search, requested, unpacked_onednn_products
+from .compiled_decoding import encoder_for
+from .errors import UserInputError, check_token_ids
+from .fast_decoding import (
+    beam_search,
+    fast_decoding_applies,
+    greedy_search,
+    release_replaced,
+    requested,
+    unpacked_onednn_products,
+)
 from .static_decoding import (
     CACHE_FIELD,
     StaticDecodingCache,
@@ -315,11 +324,32 @@ class VaswaniGenerationMixin(GenerationMixin):
         self, inputs_tensor: torch.Tensor, model_kwargs: dict, model_input_name: str | None, generation_config
     ) -> dict:
         """transformers' encoder pass (Section 3.1's stack, once per call), its products through oneDNN where that is
-        the faster GEMM of this CPU (`unpacked_onednn_products`: x86 CPUs other than Intel's, many source tokens)."""
+        the faster GEMM of this CPU (`unpacked_onednn_products`: x86 CPUs other than Intel's, many source tokens).
+        One source without padding (a sentence a call) goes through the folder's compiled encoder where it has one
+        that fits (`encoder_for`: `vaswani-tx compile`), the same output to float32 rounding."""
+        compiled = self._compiled_encoder(inputs_tensor, model_kwargs, model_input_name, generation_config)
+        if compiled is not None:
+            check_token_ids(inputs_tensor, self.config.vocab_size, "input_ids")
+            release_replaced(self, compiled)  # its own packed copy serves: the plain pages go back to the file
+            model_kwargs["encoder_outputs"] = BaseModelOutput(last_hidden_state=compiled(inputs_tensor))
+            return model_kwargs
         with unpacked_onednn_products(self.get_encoder(), int(inputs_tensor.numel())):
             return super()._prepare_text_encoder_decoder_kwargs_for_generation(
                 inputs_tensor, model_kwargs, model_input_name, generation_config
             )
+
+    def _compiled_encoder(self, inputs_tensor, model_kwargs: dict, model_input_name, generation_config):
+        """`encoder_for`'s compiled encoder where this encoder pass is a plain one it can make: the source's ids and
+        at most their mask, no attentions or hidden states asked for, no device map."""
+        if model_input_name not in (None, "input_ids") or generation_config.output_attentions:
+            return None
+        if generation_config.output_hidden_states or hasattr(self, "hf_device_map"):
+            return None
+        if any(
+            key not in ENCODER_PASS_PLAIN and not key.startswith(("decoder_", "cross_attn")) for key in model_kwargs
+        ):
+            return None
+        return encoder_for(self, inputs_tensor, model_kwargs.get("attention_mask"))
 
     @signature_kept
     def _sample(
@@ -419,6 +449,9 @@ SAME_FOR_EVERY_SOURCE = (
 WITH_THE_LIMIT = (logits_process.ForcedEOSTokenLogitsProcessor, MaxLengthCriteria)
 PREPARED_CALLS_KEPT = 8  # settings a model keeps (a service asks for one or two)
 # The model inputs the fast loops are given by generate() (its cache, empty, is the loops' to ignore)
+# model_kwargs an encoder pass may hold and still be a plain one (what it reads of them: the mask; the rest is the
+# decoder's): `_compiled_encoder`
+ENCODER_PASS_PLAIN = {"attention_mask", "use_cache", "past_key_values", "cache_position"}
 MODEL_INPUTS_PREPARED = {"attention_mask", "encoder_outputs", CACHE_FIELD, "past_key_values", "use_cache"}
 _PLAIN = (bool, int, float, str, type(None))
 
