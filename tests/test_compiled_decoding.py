@@ -319,9 +319,13 @@ def test_one_source_a_call_is_encoded_by_the_compiled_encoder(compiled_folder, e
     for length in (1, 2, 7, 23):
         ids, mask = one_source(length, seed=length)
         with torch.no_grad():
-            compiled = compiled_decoding.encoder_for(model, ids, mask)
+            encoded = compiled_decoding.encoder_for(model, ids, mask)(ids)
             expected = eager.get_encoder()(input_ids=ids).last_hidden_state
-            torch.testing.assert_close(compiled(ids), expected, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(encoded.hidden, expected, rtol=1e-5, atol=1e-5)
+            for layer, keys, values in zip(eager.get_decoder().layers, encoded.keys, encoded.values, strict=True):
+                for got, want in zip((keys, values), layer.cross_attn.keys_values(expected)):
+                    assert got.is_contiguous()
+                    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
         for settings in (dict(num_beams=1), dict(num_beams=3), dict(num_beams=2, min_new_tokens=4)):
             for given_mask in (mask, None):
                 encoder_calls.clear()
@@ -330,6 +334,34 @@ def test_one_source_a_call_is_encoded_by_the_compiled_encoder(compiled_folder, e
                     out, eager.generate(input_ids=ids, attention_mask=mask, max_new_tokens=12, **settings)
                 )
                 assert encoder_calls == [(1, length)]
+
+
+def test_the_session_takes_the_compiled_encoders_keys_and_values_of_the_same_source(compiled_folder, monkeypatch):
+    """The compiled encoder gives each decoder layer's encoder-decoder keys and values with the encoder output; the
+    decoding session of the same call takes them (no `keys_values` of its own), and only where its encoder output is
+    the very one they came from: a call given another encoder output computes its own."""
+    from vaswani_tx.modeling_vaswani import MultiHeadAttention
+
+    model = VaswaniForConditionalGeneration.from_pretrained(compiled_folder)
+    eager = eager_twin(compiled_folder)
+    computed = []
+    original = MultiHeadAttention.keys_values
+    monkeypatch.setattr(MultiHeadAttention, "keys_values", lambda *a, **k: computed.append(1) or original(*a, **k))
+    ids, mask = one_source(9, seed=3)
+    for beams in (1, 4):
+        computed.clear()
+        out = model.generate(input_ids=ids, attention_mask=mask, num_beams=beams)
+        assert computed == [] and "_encoded_source" not in model.__dict__  # taken, and no longer kept
+        expected = eager.generate(input_ids=ids, attention_mask=mask, num_beams=beams)
+        assert torch.equal(out, expected) and computed  # (the eager twin computes them)
+    other_ids = one_source(9, seed=4)[0]
+    with torch.no_grad():  # kept from an encoder pass, then a call with an encoder output of its own
+        model._prepare_text_encoder_decoder_kwargs_for_generation(ids, {}, "input_ids", model.generation_config)
+        other = model.get_encoder()(input_ids=other_ids)
+    computed.clear()
+    out = model.generate(input_ids=other_ids, encoder_outputs=other, num_beams=2)
+    assert len(computed) == model.config.num_decoder_layers
+    assert torch.equal(out, eager.generate(input_ids=other_ids, num_beams=2))
 
 
 def test_what_the_compiled_encoder_does_not_cover_is_encoded_eagerly(compiled_folder, encoder_calls, caplog):

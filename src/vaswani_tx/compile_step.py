@@ -80,16 +80,24 @@ class DecoderStep(nn.Module):
 
 class EncoderPass(nn.Module):
     """The encoder stack over one source without padding (Section 3.1: the embedded source, scaled by sqrt(d_model)
-    and with its positional encodings added, through N layers), the function the compiled encoder is. It takes the
-    source tokens' rows of the embedding matrix (1, S, D), not their ids: that matrix is the decoder's and the
-    pre-softmax projection's too (Section 3.4), and compiled into the encoder it would be held twice."""
+    and with its positional encodings added, through N layers), then each decoder layer's encoder-decoder keys and
+    values of its output (Section 3.2.3: "the memory keys and values come from the output of the encoder"), the
+    function the compiled encoder is. Returns the encoder output (1, S, D), then each layer's keys (1, h, S, d_k) and
+    values (1, h, S, d_v), contiguous, as the decoding session keeps them (`SourceKeysValues`).
+
+    It takes the source tokens' rows of the embedding matrix (1, S, D), not their ids: that matrix is the decoder's
+    and the pre-softmax projection's too (Section 3.4), and compiled into the encoder it would be held twice."""
 
     def __init__(self, model: nn.Module):
         super().__init__()
         self.model = model  # (its tensors keep the model's names: `step_tensors`)
 
-    def forward(self, rows: torch.Tensor) -> torch.Tensor:
-        return self.model.get_encoder()(inputs_embeds=rows, return_dict=True).last_hidden_state
+    def forward(self, rows: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        hidden = self.model.get_encoder()(inputs_embeds=rows, return_dict=True).last_hidden_state
+        memory = []
+        for layer in self.model.get_decoder().layers:
+            memory.extend(part.contiguous() for part in layer.cross_attn.keys_values(hidden))
+        return (hidden, *memory)
 
 
 def onednn_products(model: nn.Module):

@@ -375,9 +375,35 @@ class CompiledEncoder(CompiledStep):
 
     what, instead = "encoder", "encoding"
 
-    def __call__(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """The encoder output (1, S, D) of one source's ids (1, S)."""
-        return self.runner.boxed_run([nn.functional.embedding(input_ids, self.embedding)])[0]
+    def __call__(self, input_ids: torch.Tensor) -> EncodedSource:
+        """The encoder output (1, S, D) of one source's ids (1, S), and each decoder layer's encoder-decoder keys and
+        values of it."""
+        hidden, *memory = self.runner.boxed_run([nn.functional.embedding(input_ids, self.embedding)])
+        return EncodedSource(hidden, memory[0::2], memory[1::2])
+
+
+class EncodedSource:
+    """A source the compiled encoder encoded: its output (1, S, D) and each decoder layer's encoder-decoder keys
+    (1, h, S, d_k) and values (1, h, S, d_v) of it. generate()'s encoder pass keeps the last one on the model, and the
+    decoding session that starts on that same output takes its keys and values rather than computing them
+    (`taken`)."""
+
+    __slots__ = ("hidden", "keys", "values")
+
+    def __init__(self, hidden: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor]):
+        self.hidden, self.keys, self.values = hidden, keys, values
+
+    @staticmethod
+    def taken(model: nn.Module, sources: torch.Tensor) -> EncodedSource | None:
+        """The source kept on `model` (and no longer kept) where `sources` (the session's encoder output, one row a
+        source) is its output to the last bit, else None. The comparison, not the call it came from, decides: a
+        call given its own encoder output, or another thread's call on the same model, takes keys and values only
+        of the same output, which are then the same."""
+        encoded = model.__dict__.pop("_encoded_source", None)
+        if encoded is None or encoded.hidden.shape != sources.shape or not torch.equal(encoded.hidden, sources):
+            return None
+        # (an encoder compiled before it gave the keys and values gives none)
+        return encoded if len(encoded.keys) == model.config.num_decoder_layers else None
 
 
 def encoder_for(

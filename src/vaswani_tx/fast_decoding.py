@@ -86,6 +86,7 @@ from .compiled_decoding import (
     BEAMS_MODULE,
     FEW_ROWS_MAXIMA,
     CompiledStep,
+    EncodedSource,
     gemm_backend,
     onednn_linear_available,
     step_for_rows,
@@ -1041,9 +1042,14 @@ class CompiledSession:
         if mask is None:
             mask = torch.ones(encoder_output.shape[:2], dtype=torch.long)
         self.source_mask = mask[::rows_per_source].long().contiguous()
-        # The encoder-decoder keys and values, once per source, by the model's own attention modules.
+        # The encoder-decoder keys and values, once per source: the compiled encoder's where it encoded this source
+        # (a sentence a call), else by the model's own attention modules.
         self.cross = SourceKeysValues(config.num_decoder_layers)
+        encoded = EncodedSource.taken(model, self.sources)
         for index, layer in enumerate(model.get_decoder().layers):
+            if encoded is not None:
+                self.cross.update(encoded.keys[index], encoded.values[index], index)
+                continue
             with unpacked_onednn_products(layer.cross_attn, int(self.source_mask.numel())):
                 self.cross.update(*layer.cross_attn.keys_values(self.sources), index)
         self.slots = PositionSlots(config.num_decoder_layers, KeptBuffers.of(model))

@@ -327,11 +327,13 @@ class VaswaniGenerationMixin(GenerationMixin):
         the faster GEMM of this CPU (`unpacked_onednn_products`: x86 CPUs other than Intel's, many source tokens).
         One source without padding (a sentence a call) goes through the folder's compiled encoder where it has one
         that fits (`encoder_for`: `vaswani-tx compile`), the same output to float32 rounding."""
+        self.__dict__.pop("_encoded_source", None)
         compiled = self._compiled_encoder(inputs_tensor, model_kwargs, model_input_name, generation_config)
         if compiled is not None:
             check_token_ids(inputs_tensor, self.config.vocab_size, "input_ids")
             release_replaced(self, compiled)  # its own packed copy serves: the plain pages go back to the file
-            model_kwargs["encoder_outputs"] = BaseModelOutput(last_hidden_state=compiled(inputs_tensor))
+            encoded = self.__dict__["_encoded_source"] = compiled(inputs_tensor)  # its memory keys for the session
+            model_kwargs["encoder_outputs"] = BaseModelOutput(last_hidden_state=encoded.hidden)
             return model_kwargs
         with unpacked_onednn_products(self.get_encoder(), int(inputs_tensor.numel())):
             return super()._prepare_text_encoder_decoder_kwargs_for_generation(
