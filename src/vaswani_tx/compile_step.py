@@ -541,14 +541,7 @@ def compile_decoder_step(model: nn.Module, folder: str | os.PathLike, few_rows: 
             runner = torch._inductor.aoti_load_package(package)
             constants = {name: (name if name in known else TABLE) for name in runner.get_constant_fqns()}
         manifest = {
-            "format": FORMAT,
-            **machine(),
-            "architecture": architecture_fingerprint(model.config),
-            "weights": weights_fingerprint(model),
-            "positions": rows,
-            "table_rows": None if table is None else table.shape[0],
-            "constants": constants,
-            "precision": kind,
+            **library_manifest(model, rows, table, constants, kind),
             **({"int8_layers": int8_signature(model)} if int8 else {}),
             **({"few_rows": FEW_ROWS_MAXIMA[kind]} if packed else {}),
             **({"rows_kernel": int8_rows.source_digest(), "rows": FEW_ROWS_MAXIMA[kind]} if rows_kernel else {}),
@@ -604,19 +597,25 @@ def compile_encoder(model: nn.Module, folder: str | os.PathLike) -> Path:
             "max_autotune_gemm_backends": "CPP",
         }
         package = Path(_aoti_compiled(program, out, configs, "the encoder"))
-        manifest = {
-            "format": FORMAT,
-            **machine(),
-            "architecture": architecture_fingerprint(model.config),
-            "weights": weights_fingerprint(model),
-            "positions": rows,
-            "table_rows": None if table is None else table.shape[0],
-            "constants": _weights_apart(package, known, out / FEW_ROWS_WEIGHTS),
-            "precision": "float32",
-            "part": "encoder",
-        }
+        constants = _weights_apart(package, known, out / FEW_ROWS_WEIGHTS)
+        manifest = {**library_manifest(model, rows, table, constants, "float32"), "part": "encoder"}
         (out / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n", encoding="utf-8")
     return Path(folder) / ENCODER_FOLDER
+
+
+def library_manifest(model: nn.Module, rows: int, table: torch.Tensor | None, constants: dict, kind: str) -> dict:
+    """What a compiled library's manifest says in every case: what it was made for (torch, CPU, GEMM library,
+    architecture, weights, precision), the positions it encodes, and where each of its tensors comes from."""
+    return {
+        "format": FORMAT,
+        **machine(),
+        "architecture": architecture_fingerprint(model.config),
+        "weights": weights_fingerprint(model),
+        "positions": rows,
+        "table_rows": None if table is None else table.shape[0],
+        "constants": constants,
+        "precision": kind,
+    }
 
 
 def _aoti_compiled(program, out: Path, configs: dict, what: str) -> str:

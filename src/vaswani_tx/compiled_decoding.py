@@ -39,6 +39,12 @@ step with each int8 product a call of the int8 few-rows kernel (int8_rows.py, `v
 kernel, where the other int8 step calls each layer through Python. It reads the model's tensors, as that one does,
 and is used only where the kernel is loaded.
 
+A call of one source without padding (a sentence a call) is encoded by the float32 model's compiled encoder,
+`compiled-encoder/` (`CompiledEncoder`, `encoder_for`): the encoder stack of Section 3.1 and each decoder layer's
+encoder-decoder keys and values of its output, compiled as the few-rows step is (its own packed copy of those
+weights), which generate()'s encoder pass calls and whose keys and values the decoding session takes
+(`EncodedSource`). Anything else is encoded eagerly.
+
 Compiling is compile_step.py's (it stays in the package). This file travels with saved weights for
 `trust_remote_code`: torch, errors.py and (for the few-rows step's weights) safetensors, which transformers needs.
 """

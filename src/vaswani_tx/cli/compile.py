@@ -1,6 +1,6 @@
 """Compile a saved model's decoding steps ahead of time (AOTInductor): MODEL/compiled, compiled-few, -int8, -bf16,
-compiled-few-bf16, compiled-few-int8, the int8 few-rows kernel (MODEL/kernels) and beam search's bookkeeping for
-one source (MODEL/beam-search).
+compiled-few-bf16, compiled-few-int8, the encoder of one source (MODEL/compiled-encoder), the int8 few-rows kernel
+(MODEL/kernels) and beam search's bookkeeping for one source (MODEL/beam-search).
 
 Once compiled, every later process that loads the folder (`from_pretrained`, `pipeline("translation")`,
 `vaswani-tx translate` and `evaluate`) decodes through it with no flag and no compilation wait, where it
@@ -10,7 +10,10 @@ Calls of a few rows (up to 8 sources x beams: a sentence at a time, greedy or wi
 the float32 model's few-rows step (MODEL/compiled-few), 1.4-1.7x faster there: its products read a copy of the
 decoder's weights packed for them (MODEL/compiled-few/weights.safetensors, the decoder layers' size), which serves
 these weights only (a model changed since decodes through MODEL/compiled). The bfloat16 model has one too
-(MODEL/compiled-few-bf16, up to 6 rows), where it has a bfloat16 step.
+(MODEL/compiled-few-bf16, up to 6 rows), where it has a bfloat16 step. A call of one source without padding is
+encoded by the float32 model's compiled encoder (MODEL/compiled-encoder, compiled the same way, its packed weights
+the encoder's size and the encoder-decoder keys' and values'), about twice as fast as the eager encoder there; it
+also gives each decoder layer's encoder-decoder keys and values, which the decoding then takes.
 The int8 model's step (MODEL/compiled-int8) serves `translate --int8` and `quantize_int8` the same way; its
 int8 products are the model's own layers, so its translations are the eager int8 path's to int8 rounding. On a CPU
 with AVX512-VNNI, the int8 products of up to 16 rows are those of an int8 kernel built here with g++
@@ -60,7 +63,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_false",
         help="do not compile the few-rows steps (MODEL/compiled-few and, with the bfloat16 step, "
         "MODEL/compiled-few-bf16: for calls of a few rows, a sentence at a time, greedy or with a small beam) "
-        "as well",
+        "nor the encoder of one source (MODEL/compiled-encoder) as well",
     )
     parser.add_argument(
         "--jobs",
