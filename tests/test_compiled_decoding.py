@@ -336,6 +336,23 @@ def test_one_source_a_call_is_encoded_by_the_compiled_encoder(compiled_folder, e
                 assert encoder_calls == [(1, length)]
 
 
+def test_the_compiled_encoder_embeds_with_the_encoders_own_table(tmp_path):
+    """A model whose source and target have tables of their own (`share_encoder_decoder_embeddings=False`: FSMT, some
+    OPUS-MT models): the compiled encoder looks the source up in the source table, not the decoder's."""
+    from test_modeling import tiny_model
+
+    model = tiny_model(seed=2, share_encoder_decoder_embeddings=False, decoder_vocab_size=70)
+    assert model.get_encoder().embeddings.embed_tokens.weight is not model.get_decoder().embeddings.embed_tokens.weight
+    model.save_pretrained(tmp_path)
+    compile_step.compile_encoder(model, tmp_path)
+    loaded = VaswaniForConditionalGeneration.from_pretrained(tmp_path)
+    ids, mask = one_source(8, seed=6)
+    with torch.no_grad():
+        encoded = compiled_decoding.encoder_for(loaded, ids, mask)(ids)
+        expected = model.get_encoder()(input_ids=ids).last_hidden_state
+    torch.testing.assert_close(encoded.hidden, expected, rtol=1e-5, atol=1e-5)
+
+
 def test_the_session_takes_the_compiled_encoders_keys_and_values_of_the_same_source(compiled_folder, monkeypatch):
     """The compiled encoder gives each decoder layer's encoder-decoder keys and values with the encoder output; the
     decoding session of the same call takes them (no `keys_values` of its own), and only where its encoder output is

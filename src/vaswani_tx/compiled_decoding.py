@@ -320,9 +320,14 @@ class CompiledStep:
         self.runner.load_constants(constants, False, True, True)
         self.bound = _versions(model) if self.own_weights else _identity(model)
         if self.own_weights:
-            self.embedding = model.get_decoder().embeddings.embed_tokens.weight
+            self.embedding = self.embedding_table(model)
         if self.int8 is not None:
             self.int8 = [module for _, module in int8_layers(model)]
+
+    @staticmethod
+    def embedding_table(model: nn.Module) -> torch.Tensor:
+        """The table whose rows a library that takes embedded tokens (the few-rows step) is given: the decoder's."""
+        return model.get_decoder().embeddings.embed_tokens.weight
 
     def usable(self, model: nn.Module) -> bool:
         """Whether this call can decode through the library: the step's dtype on the CPU (int8 layers for an int8
@@ -380,6 +385,12 @@ class CompiledEncoder(CompiledStep):
     packed into a copy of its own, and serves only while the model's are those it was made from."""
 
     what, instead = "encoder", "encoding"
+
+    @staticmethod
+    def embedding_table(model: nn.Module) -> torch.Tensor:
+        """The source's table: the decoder's too where the model shares one (Section 3.4), its own where source and
+        target have tables of their own (`share_encoder_decoder_embeddings=False`)."""
+        return model.get_encoder().embeddings.embed_tokens.weight
 
     def __call__(self, input_ids: torch.Tensor) -> EncodedSource:
         """The encoder output (1, S, D) of one source's ids (1, S), and each decoder layer's encoder-decoder keys and
