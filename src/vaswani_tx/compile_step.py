@@ -494,15 +494,9 @@ def compile_decoder_step(model: nn.Module, folder: str | os.PathLike, few_rows: 
         )
     step_folder = Path(folder) / (FEW_ROWS_FOLDERS[kind] if few_rows else PRECISIONS[kind][0])
     model.eval()
-    # Positions the step can encode: the model's maximum. Sinusoids are a table the graph keeps as a constant,
-    # made afresh at this size (at load time too, from the same function).
+    # Positions the step can encode: the model's maximum (sinusoids: `whole_table`).
     rows = int(model.config.max_position_embeddings)
-    positions = model.get_decoder().embeddings.embed_positions
-    table = None
-    if hasattr(positions, "table_function"):
-        positions._table = None
-        positions(rows, 0, like=parameter)
-        table = positions._table
+    table = whole_table(model.get_decoder(), rows, parameter)
     layers = model.config.num_decoder_layers
     groups, beams = Dim("sources", min=1, max=65536), Dim("rows_per_source", min=1, max=1024)
     source, prefix = Dim("source_length", min=1, max=65536), Dim("prefix", min=1, max=rows)
@@ -524,16 +518,11 @@ def compile_decoder_step(model: nn.Module, folder: str | os.PathLike, few_rows: 
     with torch.no_grad(), products, layers:
         program = export(step, _example(model, packed), dynamic_shapes=dims, strict=False)
     known = step_tensors(model)
-    others = [name for name in program.constants if name not in known]
-    if len(others) > 1 or (others and table is None):
-        raise UserInputError(f"the decoder step reads tensors that are not the model's weights: {others}")
+    only_weights_read(program, known, table, "the decoder step")
     with atomic_folder(step_folder) as out:
-        configs = {"aot_inductor.package_constants_in_so": False}
-        if packed:  # the weights in the library, packed for Inductor's C++ GEMM template
-            # (a bfloat16 step's batched attention products have no C++ template: aten's kernels take those)
-            backends = "CPP" if kind == "float32" else "CPP,ATEN"
-            configs.update(freezing=True, max_autotune=True, max_autotune_gemm_backends=backends)
-            configs["aot_inductor.package_constants_on_disk_format"] = "pickle_weights"
+        # (a bfloat16 step's batched attention products have no C++ template: aten's kernels take those)
+        configs = packed_configs("CPP" if kind == "float32" else "CPP,ATEN") if packed else {}
+        configs["aot_inductor.package_constants_in_so"] = False
         package = _aoti_compiled(program, out, configs, "the decoding step")
         if packed:
             constants = _weights_apart(Path(package), known, out / FEW_ROWS_WEIGHTS)
@@ -572,12 +561,7 @@ def compile_encoder(model: nn.Module, folder: str | os.PathLike) -> Path:
         )
     model.eval()
     rows = int(model.config.max_position_embeddings)
-    positions = model.get_encoder().embeddings.embed_positions
-    table = None
-    if hasattr(positions, "table_function"):  # sinusoids: a constant of the graph, made at the maximum size
-        positions._table = None
-        positions(rows, 0, like=parameter)
-        table = positions._table
+    table = whole_table(model.get_encoder(), rows, parameter)
     # a typical sentence's length: the size Inductor tunes the products for (1 would be taken as fixed)
     example = torch.zeros(1, 16, model.config.d_model)
     with torch.no_grad():
@@ -585,22 +569,45 @@ def compile_encoder(model: nn.Module, folder: str | os.PathLike) -> Path:
             EncoderPass(model), (example,), dynamic_shapes={"rows": {1: Dim("source_length", max=rows)}}, strict=False
         )
     known = step_tensors(model)
-    others = [name for name in program.constants if name not in known]
-    if len(others) > 1 or (others and table is None):
-        raise UserInputError(f"the encoder reads tensors that are not the model's weights: {others}")
+    only_weights_read(program, known, table, "the encoder")
     with atomic_folder(Path(folder) / ENCODER_FOLDER) as out:
-        configs = {
-            "aot_inductor.package_constants_in_so": False,
-            "aot_inductor.package_constants_on_disk_format": "pickle_weights",
-            "freezing": True,
-            "max_autotune": True,
-            "max_autotune_gemm_backends": "CPP",
-        }
+        configs = {**packed_configs("CPP"), "aot_inductor.package_constants_in_so": False}
         package = Path(_aoti_compiled(program, out, configs, "the encoder"))
         constants = _weights_apart(package, known, out / FEW_ROWS_WEIGHTS)
         manifest = {**library_manifest(model, rows, table, constants, "float32"), "part": "encoder"}
         (out / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n", encoding="utf-8")
     return Path(folder) / ENCODER_FOLDER
+
+
+def whole_table(stack: nn.Module, rows: int, like: torch.Tensor) -> torch.Tensor | None:
+    """The stack's (encoder's or decoder's) sinusoid table made afresh at `rows` positions, the model's maximum, which
+    the exported graph keeps as a constant (loading makes it again, from the same function); None for learned
+    positions, which are weights."""
+    positions = stack.embeddings.embed_positions
+    if not hasattr(positions, "table_function"):
+        return None
+    positions._table = None
+    positions(rows, 0, like=like)
+    return positions._table
+
+
+def only_weights_read(program, known: dict, table: torch.Tensor | None, what: str) -> None:
+    """Refuse an exported `program` that reads tensors other than the model's weights (`known`) and its table."""
+    others = [name for name in program.constants if name not in known]
+    if len(others) > 1 or (others and table is None):
+        raise UserInputError(f"{what} reads tensors that are not the model's weights: {others}")
+
+
+def packed_configs(backends: str) -> dict:
+    """Inductor's settings for a library with its weights in it, packed for its C++ GEMM template (the few-rows steps,
+    the encoder): freezing, the products chosen among `backends`, the packed weights written one pickle each, which
+    `_weights_apart` moves out of the package."""
+    return {
+        "freezing": True,
+        "max_autotune": True,
+        "max_autotune_gemm_backends": backends,
+        "aot_inductor.package_constants_on_disk_format": "pickle_weights",
+    }
 
 
 def library_manifest(model: nn.Module, rows: int, table: torch.Tensor | None, constants: dict, kind: str) -> dict:
@@ -633,9 +640,9 @@ def _aoti_compiled(program, out: Path, configs: dict, what: str) -> str:
 
 
 def _weights_apart(package: Path, known: dict, weights: Path) -> dict[str, str]:
-    """The few-rows step's own tensors (the weights as Inductor packed them, the positional table) moved from the
-    package (`pickle_weights`: one pickle each) into `weights`, a safetensors file that loading maps into memory
-    rather than copies, and the package rewritten without them. The model's own weights, which the package also
+    """A packed library's own tensors (the few-rows steps', the encoder's: the weights as Inductor packed them, the
+    positional table) moved from the package (`pickle_weights`: one pickle each) into `weights`, a safetensors file
+    that loading maps into memory rather than copies, and the package rewritten without them. The model's own weights, which the package also
     holds, are dropped: the library reads the model's tensors there (they serve no product of it). Returns the
     manifest's constants: each name the library knows, and where its tensor comes from."""
     import io
@@ -656,7 +663,7 @@ def _weights_apart(package: Path, known: dict, weights: Path) -> dict[str, str]:
             whole = torch.load(io.BytesIO(archive.read(f"{root}/data/weights/{file}")), weights_only=True)
             tensor = whole.as_strided(shape, stride, offset)
             if not tensor.is_contiguous():
-                raise UserInputError(f"the few-rows step's tensor {name} is not contiguous ({stride}); not written")
+                raise UserInputError(f"the compiled library's tensor {name} is not contiguous ({stride}); not written")
             tensors[name] = tensor.clone()
             constants[name] = FEW_ROWS_WEIGHTS
         save_file(tensors, str(weights))

@@ -1113,17 +1113,17 @@ def session_applies(model: nn.Module, input_ids: torch.Tensor, max_length: int, 
     return compiled
 
 
-def release_replaced(model: nn.Module, few_rows: CompiledStep) -> None:
-    """The plain pages of the model's tensors that the few-rows step holds its own copy of, given back once
-    (`release_file_pages`), as `PackedLinears` does for its packed copies: read back from the file where the other
-    step or the eager path needs them again."""
-    if few_rows.released:
+def release_replaced(model: nn.Module, packed: CompiledStep) -> None:
+    """The plain pages of the model's tensors that a library with its own packed weights (a few-rows step, the
+    compiled encoder) holds a copy of, given back once (`release_file_pages`), as `PackedLinears` does for its packed
+    copies: read back from the file where another step or the eager path needs them again."""
+    if packed.released:
         return
     tensors = step_tensors(model)
-    for name, source in few_rows.manifest["constants"].items():
+    for name, source in packed.manifest["constants"].items():
         if source == name:
             release_file_pages(tensors[name])
-    few_rows.released = True
+    packed.released = True
 
 
 # --- which calls ---------------------------------------------------------------------------------------------------

@@ -450,10 +450,10 @@ SAME_FOR_EVERY_SOURCE = (
 # Kept for the length limit of each call (a copy with that limit): `ForcedEOSTokenLogitsProcessor`, the criteria's own.
 WITH_THE_LIMIT = (logits_process.ForcedEOSTokenLogitsProcessor, MaxLengthCriteria)
 PREPARED_CALLS_KEPT = 8  # settings a model keeps (a service asks for one or two)
-# The model inputs the fast loops are given by generate() (its cache, empty, is the loops' to ignore)
 # model_kwargs an encoder pass may hold and still be a plain one (what it reads of them: the mask; the rest is the
 # decoder's): `_compiled_encoder`
 ENCODER_PASS_PLAIN = {"attention_mask", "use_cache", "past_key_values", "cache_position"}
+# The model inputs the fast loops are given by generate() (its cache, empty, is the loops' to ignore)
 MODEL_INPUTS_PREPARED = {"attention_mask", "encoder_outputs", CACHE_FIELD, "past_key_values", "use_cache"}
 _PLAIN = (bool, int, float, str, type(None))
 
