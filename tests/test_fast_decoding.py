@@ -229,9 +229,11 @@ def test_the_packed_projection_follows_the_weights(gemm):
 
 @pytest.mark.parametrize("rows", [3, 5, 8, 12])
 def test_below_pack_all_rows_a_share_of_the_projection_is_packed(rows, monkeypatch):
-    """Below PACK_ALL_ROWS rows the packed copy holds only W's first PACK_FEW_ROWS_SHARE (less memory for a smaller
-    gain); the logits are the whole product either way, in the caller's buffer where one is given."""
+    """Below PACK_ALL_ROWS rows the packed copy of a W above PACK_WHOLE_BYTES holds only W's first
+    PACK_FEW_ROWS_SHARE (less memory for a smaller gain); the logits are the whole product either way, in the
+    caller's buffer where one is given."""
     monkeypatch.setenv(compiled_decoding.GEMM_VARIABLE, "mkl")
+    monkeypatch.setattr(fast_decoding, "PACK_WHOLE_BYTES", 0)  # the tiny model's W stands for a large one
     model = eos_prone_model()
     if not fast_decoding.can_pack(model.lm_head.weight):
         pytest.skip("torch without oneMKL: the projection is not packed")
@@ -248,6 +250,24 @@ def test_below_pack_all_rows_a_share_of_the_projection_is_packed(rows, monkeypat
     if packed.split < vocabulary:
         assert packed(hidden, out=out).data_ptr() == out.data_ptr()
         torch.testing.assert_close(out, expected)
+
+
+@pytest.mark.parametrize("rows", [3, 5])
+def test_a_small_projection_is_packed_whole_at_few_rows(rows, monkeypatch):
+    """A W of at most PACK_WHOLE_BYTES is packed whole below PACK_ALL_ROWS rows too (its quarter saves little memory
+    and costs a sixth of the product), one W above it only in part; the logits are x W^T either way."""
+    monkeypatch.setenv(compiled_decoding.GEMM_VARIABLE, "mkl")
+    model = eos_prone_model()
+    weight = model.lm_head.weight
+    if not fast_decoding.can_pack(weight):
+        pytest.skip("torch without oneMKL: the projection is not packed")
+    size = weight.numel() * weight.element_size()
+    hidden = torch.randn(rows, model.config.d_model)
+    for bound, whole in ((size, True), (size - 1, False)):
+        monkeypatch.setattr(fast_decoding, "PACK_WHOLE_BYTES", bound)
+        packed = fast_decoding.PackedProjection(weight, rows)
+        assert packed.whole is whole
+        torch.testing.assert_close(packed(hidden), hidden @ weight.t())
 
 
 def test_onednn_packs_the_whole_projection_once_for_any_number_of_rows(monkeypatch):

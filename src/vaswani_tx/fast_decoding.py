@@ -393,8 +393,9 @@ class PackedProjection:
     """x W^T for the pre-softmax matrix W (V, D) (Section 3.4), through oneMKL's GEMM on a copy of W packed once
     for a number of rows (as Inductor's weight freezing does); oneMKL's packed GEMM takes only that number of rows,
     and torch computes any other with its usual product. Kept per model (one packing, about W's size, or a share
-    of it below `PACK_ALL_ROWS` rows, the other rows of W taking the usual product) while W is
-    unchanged (its identity and in-place version are checked at every `generate()`); a `generate()` with another
+    of it below `PACK_ALL_ROWS` rows where W is larger than `PACK_WHOLE_BYTES`, the other rows of W taking the
+    usual product) while W is unchanged (its identity and in-place version are checked at every `generate()`); a
+    `generate()` with another
     number of rows packs again (about 20 ms for the base model). Where `gemm_backend()` is oneDNN, W is packed whole
     for oneDNN's inner product instead, which takes any number of rows: one packing serves every call."""
 
@@ -402,10 +403,11 @@ class PackedProjection:
         self.weight, self.rows = weight, rows
         self.fingerprint = tensor_fingerprint(weight)
         self.backend = packing_backend(weight)
-        # Below PACK_ALL_ROWS rows, W's first PACK_FEW_ROWS_SHARE only; its other rows take the usual product
-        # (oneMKL's; where that is the slow one, oneDNN packs all of W).
+        # Below PACK_ALL_ROWS rows, W's first PACK_FEW_ROWS_SHARE only, unless W is small (PACK_WHOLE_BYTES); its
+        # other rows take the usual product (oneMKL's; where that is the slow one, oneDNN packs all of W).
         vocabulary = weight.shape[0]
-        whole = rows >= PACK_ALL_ROWS or self.backend == "onednn"
+        small = weight.numel() * weight.element_size() <= PACK_WHOLE_BYTES
+        whole = rows >= PACK_ALL_ROWS or self.backend == "onednn" or small
         self.split = vocabulary if whole else math.ceil(vocabulary * PACK_FEW_ROWS_SHARE)
         with torch.no_grad():
             if self.backend == "onednn":
@@ -540,6 +542,10 @@ PACK_MIN_ROWS = 3
 # at the full packing's speed (docs/speed.md).
 PACK_ALL_ROWS = 8
 PACK_FEW_ROWS_SHARE = 0.75
+# A W of at most this many bytes is packed whole at any rows: the quarter left out would save under 1% of the
+# process' peak (4 MiB of 430 or more), and its own product costs a sixth of the projection (8,000 x 256 at beam 4,
+# one thread, Intel Xeon, inside the decoding loop: 0.67 against 0.55-0.58 ms a step, docs/speed.md).
+PACK_WHOLE_BYTES = 16 * 2**20
 # glibc maps every allocation above 32 MiB afresh (its largest mmap threshold), and a fresh (rows, V) tensor then
 # costs a page fault per 4 KiB at each step: 16-20 ms for Multi30k's 1,750 x 8,000 logits, more than the product.
 # Logits that large go into one buffer kept for the call.
