@@ -1150,6 +1150,41 @@ def test_greedy_search_through_the_screen_gives_transformers_ids(settings, loops
     assert loops == ["greedy_search", "greedy_search"]
 
 
+@pytest.mark.parametrize(
+    "settings",
+    [
+        dict(num_beams=1, max_new_tokens=12),
+        dict(num_beams=1, max_new_tokens=12, min_new_tokens=6, suppress_tokens=[7, 9]),
+        dict(num_beams=1, max_new_tokens=12, decoder_input_ids=torch.tensor([[2, 7, 9]])),  # a prompt of 3 tokens
+        "fairseq's cap",
+        "every logit",  # the screen leaves too many columns at every step
+    ],
+)
+def test_one_sources_greedy_search_gives_transformers_ids(settings, loops, monkeypatch, library_set_aside):
+    """One source through the screen (a sentence a call): `one_source_greedy`, transformers' ids; several sources
+    keep the batched loop."""
+    model = screen_model(seed=8)
+    screened_argmax(model)
+    if settings == "fairseq's cap":
+        settings = dict(generation_config=fairseq_generation_config(model.config, beam=1, max_len_a=1.0, max_len_b=2))
+    elif settings == "every logit":
+        monkeypatch.setattr(fast_decoding, "SCREEN_MAX_SHARE", 0.0)
+        settings = dict(num_beams=1, max_new_tokens=10)
+    calls = []
+    original = fast_decoding.one_source_greedy
+    monkeypatch.setattr(fast_decoding, "one_source_greedy", lambda *a, **k: calls.append(1) or original(*a, **k))
+    vocab = model.config.vocab_size
+    for seed in (4, 5, 6):
+        ids, mask = batch(seed=seed, lengths=(7,), vocab=vocab)
+        fast, stock = both(model, input_ids=ids, attention_mask=mask, **settings)
+        assert torch.equal(fast, stock)
+    assert len(calls) == 3
+    if "decoder_input_ids" not in settings:
+        ids, mask = batch(seed=4, lengths=(7, 4, 6), vocab=vocab)
+        fast, stock = both(model, input_ids=ids, attention_mask=mask, **settings)
+        assert torch.equal(fast, stock) and len(calls) == 3
+
+
 def test_a_torch_whose_int8_product_rounds_beyond_the_bound_gets_no_screen(monkeypatch, loops, library_set_aside):
     model = screen_model(seed=6)
     screened_argmax(model)
