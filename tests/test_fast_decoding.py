@@ -801,6 +801,7 @@ def test_a_calls_slots_and_logits_reuse_the_buffers_of_the_call_before(monkeypat
     assert decode(4, [[3, 2, 1, 0], [1, 1, 0, 0], None]) == first  # fewer rows: the same buffers
 
     model = tiny_model(seed=4)
+    model.requires_grad_(False)  # as the loops run it (inference mode): oneMKL's product into a buffer takes no grad
     row_bytes = model.config.vocab_size * 4
     monkeypatch.setattr(fast_decoding, "FRESH_BYTES", 3 * row_bytes)  # the tiny model's logits into the buffer
     monkeypatch.setattr(fast_decoding, "ONEDNN_BLOCK_BYTES", 2 * row_bytes)

@@ -96,7 +96,7 @@ def test_int8_layers_take_the_kernel_up_to_few_rows_and_their_own_kernel_past_th
     kernel_folder, tmp_path, monkeypatch
 ):
     """A model quantized from a folder with the kernel: every int8 layer has its weights for it, a product of up to
-    `FEW_ROWS` rows is the kernel's (3-D inputs too), one of more rows the layer's fbgemm kernel, as before; a large
+    `FEW_ROWS` rows is the kernel's (3-D inputs too), one of more rows the layer's own packing, as before; a large
     layer (more than `LARGE_LAYER` weights: made small here) takes it up to the few-rows step's 16 rows only."""
     model = VaswaniForConditionalGeneration(_tiny_config())
     model.save_pretrained(tmp_path / "model")
@@ -111,8 +111,11 @@ def test_int8_layers_take_the_kernel_up_to_few_rows_and_their_own_kernel_past_th
         few = torch.randn(2, limit // 2, layer.in_features)
         torch.testing.assert_close(layer(few), python_reference(few, weight, bias), rtol=1e-6, atol=1e-5)
         many = torch.randn(limit + 1, layer.in_features)
-        fbgemm = torch.ops.quantized.linear_dynamic(many, layer._packed_params._packed_params, True)
-        assert torch.equal(layer(many), fbgemm)
+        # past the kernel's rows, the layer's own packing for that many rows: oneDNN's from `many_rows` on (where a
+        # CPU has AMX tiles, from 32 rows), fbgemm's below
+        onednn = layer.many_rows_params is not None and many.shape[0] >= layer.many_rows
+        packing = layer.many_rows_params if onednn else layer._packed_params._packed_params
+        assert torch.equal(layer(many), torch.ops.quantized.linear_dynamic(many, packing, True))
     ids = torch.tensor([[5, 6, 7, 8, 3]])
     out = quantized.generate(input_ids=ids, num_beams=3, max_new_tokens=6)
     assert out.shape[0] == 1 and out.shape[1] <= 7
