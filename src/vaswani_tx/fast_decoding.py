@@ -395,9 +395,9 @@ class PackedProjection:
     and torch computes any other with its usual product. Kept per model (one packing, about W's size, or a share
     of it below `PACK_ALL_ROWS` rows where W is larger than `PACK_WHOLE_BYTES`, the other rows of W taking the
     usual product) while W is unchanged (its identity and in-place version are checked at every `generate()`); a
-    `generate()` with another
-    number of rows packs again (about 20 ms for the base model). Where `gemm_backend()` is oneDNN, W is packed whole
-    for oneDNN's inner product instead, which takes any number of rows: one packing serves every call."""
+    `generate()` with another number of rows packs again (about 20 ms for the base model). Where `gemm_backend()` is
+    oneDNN, W is packed whole for oneDNN's inner product instead, which takes any number of rows: one packing serves
+    every call."""
 
     def __init__(self, weight: torch.Tensor, rows: int):
         self.weight, self.rows = weight, rows
@@ -544,7 +544,7 @@ PACK_ALL_ROWS = 8
 PACK_FEW_ROWS_SHARE = 0.75
 # A W of at most this many bytes is packed whole at any rows: the quarter left out would save under 1% of the
 # process' peak (4 MiB of 430 or more), and its own product costs a sixth of the projection (8,000 x 256 at beam 4,
-# one thread, Intel Xeon, inside the decoding loop: 0.67 against 0.55-0.58 ms a step, docs/speed.md).
+# one thread, Intel Xeon, inside the decoding loop: 0.62-0.69 against 0.52-0.57 ms a step, docs/speed.md).
 PACK_WHOLE_BYTES = 16 * 2**20
 # glibc maps every allocation above 32 MiB afresh (its largest mmap threshold), and a fresh (rows, V) tensor then
 # costs a page fault per 4 KiB at each step: 16-20 ms for Multi30k's 1,750 x 8,000 logits, more than the product.
