@@ -642,9 +642,9 @@ def _aoti_compiled(program, out: Path, configs: dict, what: str) -> str:
 def _weights_apart(package: Path, known: dict, weights: Path) -> dict[str, str]:
     """A packed library's own tensors (the few-rows steps', the encoder's: the weights as Inductor packed them, the
     positional table) moved from the package (`pickle_weights`: one pickle each) into `weights`, a safetensors file
-    that loading maps into memory rather than copies, and the package rewritten without them. The model's own weights, which the package also
-    holds, are dropped: the library reads the model's tensors there (they serve no product of it). Returns the
-    manifest's constants: each name the library knows, and where its tensor comes from."""
+    that loading maps into memory rather than copies, and the package rewritten without them. The model's own
+    weights, which the package also holds, are dropped: the library reads the model's tensors there (they serve no
+    product of it). Returns the manifest's constants: each name the library knows, and where its tensor comes from."""
     import io
     import zipfile
 

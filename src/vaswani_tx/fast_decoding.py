@@ -1714,9 +1714,10 @@ def beam_search(model, input_ids, logits_processor, stopping_criteria, generatio
 
 
 def one_source_applies(batch_size: int, stopping_criteria) -> bool:
-    """Whether `one_source_search` can take this beam search: one source (a sentence a call: a service, the
-    pipeline given a string), stopped by its length and end-of-sentence tokens only, as every call is unless a
-    caller adds criteria (whose state and answers over the 2k candidates stay transformers' to ask)."""
+    """Whether `one_source_search` can take this beam search (and `one_source_greedy` a greedy one): one source (a
+    sentence a call: a service, the pipeline given a string), stopped by its length and end-of-sentence tokens only,
+    as every call is unless a caller adds criteria (whose state and answers over the 2k candidates stay
+    transformers' to ask)."""
     return batch_size == 1 and all(type(c) in (MaxLengthCriteria, EosTokenCriteria) for c in stopping_criteria)
 
 
