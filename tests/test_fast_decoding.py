@@ -957,8 +957,11 @@ def test_beam_search_over_a_vocabulary_large_enough_for_the_block_top_k(loops):
 @pytest.fixture
 def library_set_aside(monkeypatch):
     """The Python paths where the C++ library (test_one_source_beams.py's: beam search's bookkeeping for one source,
-    greedy search's screen) would take over: it is set aside where an earlier test loaded it."""
+    greedy search's screen) would take over: it is set aside where an earlier test loaded it; and torch's int8
+    product in greedy search's screen, where an earlier test loaded the int8 few-rows kernel (test_int8_rows.py's
+    tests take that one)."""
     monkeypatch.delitem(sys.modules, fast_decoding.BEAMS_MODULE, raising=False)
+    monkeypatch.setattr(fast_decoding.int8_rows, "loaded", lambda: False)
 
 
 @pytest.fixture
@@ -1106,7 +1109,7 @@ def test_the_screened_argmax_is_the_whole_products(rows, library_set_aside):
     assert screen(torch.full_like(hidden, math.nan)) is None
 
 
-def test_the_int8_products_rounding_is_within_the_screens_bound():
+def test_the_int8_products_rounding_is_within_the_screens_bound(library_set_aside):
     """The screen rests on torch's weight-only int8 product rounding as the bound says (float32 sums, one bfloat16
     rounding of the result); checked once per copy, and here on more columns and scales than that check."""
     screen = screened_argmax(screen_model())

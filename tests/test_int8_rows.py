@@ -156,6 +156,84 @@ def test_a_kernel_of_another_torch_or_source_is_one_line_and_fbgemm(kernel_folde
         assert ("built for torch 0.0.0" if field == "torch" else "another version of its source") in lines[0]
 
 
+@needs_kernel
+def test_greedy_searchs_screen_asks_quietly(kernel_folder, tmp_path, caplog):
+    """Greedy search's screen asks a float32 model's folder for the kernel (`load(quiet=True)`): a kernel that does
+    not fit is logged at debug level only, since the float32 model loses nothing by it (the screen keeps torch's
+    int8 product), where an int8 model's warning stands."""
+    folder = tmp_path / "other-torch"
+    shutil.copytree(kernel_folder / int8_rows.FOLDER, folder / int8_rows.FOLDER)
+    manifest = folder / int8_rows.FOLDER / int8_rows.MANIFEST
+    manifest.write_text(json.dumps({**json.loads(manifest.read_text()), "torch": "0.0.0"}))
+    with caplog.at_level(logging.DEBUG, logger="vaswani_tx.int8_rows"):
+        assert not int8_rows.load(folder, quiet=True)
+    assert [record.levelno for record in caplog.records] == [logging.DEBUG]
+    assert "built for torch 0.0.0" in caplog.records[0].getMessage()
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        assert not int8_rows.load(folder)
+    assert len(caplog.records) == 1
+
+
+# --- greedy search's int8 screen through the kernel (fast_decoding.ScreenedArgmax) --------------------------------
+
+
+@needs_kernel
+def test_the_kernels_screen_product_is_within_the_screens_bound(kernel_folder):
+    """With the kernel loaded, the screen's int8 product is the kernel's on its own copy of W, the rows quantized
+    to int8: each logit within `ScreenedArgmax.bounds` (rounded None) of the float32 logit (float64 sums) at many
+    scales and a zero row, and |x^ - x| within the bound's shift for the kernel's own quantization."""
+    from test_fast_decoding import screen_model
+    from vaswani_tx import fast_decoding
+
+    model = screen_model(seed=9)
+    screen = fast_decoding.ScreenedArgmax.of(model, 1)
+    if screen is None:
+        pytest.skip(f"no int8 screen on this CPU (capability {torch.backends.cpu.get_cpu_capability()})")
+    assert screen.rows_kernel is not None and screen.quantized is None  # one copy: the kernel's
+    weight = screen.weight.detach()
+    assert fast_decoding._rounding_within_bound(screen, columns=weight.shape[0])
+    g = torch.Generator().manual_seed(0)
+    for scale in (1e-3, 1.0, 1e3):
+        rows = torch.randn(fast_decoding.SCREEN_MAX_ROWS, weight.shape[1], generator=g) * scale
+        rows[0] = 0.0
+        rounded, screened = screen.screened_logits(rows)
+        assert rounded is None
+        exact = rows.double() @ weight.double().t()
+        slack = screen.bounds(rows, None, screened).double()
+        assert bool(((screened.double() - exact).abs() <= slack).all()), scale
+        row_scale = rows.abs().amax(1, keepdim=True) / 127
+        row_scale = torch.where(row_scale > 0, row_scale, torch.ones_like(row_scale))
+        x_hat = torch.round(rows * (1 / row_scale)).clamp(-127, 127) * row_scale
+        shift = rows.abs().amax(1) * (weight.shape[1] ** 0.5 / 127 * (1 + 1e-4) / 2)
+        assert bool(((x_hat - rows).norm(dim=1) <= shift).all()), scale
+    # A row with one large value (a coarse int8 step for the others) and a column of W along its rounding error:
+    # there the rows' rounding is most of the error, which only the bound's shift term covers.
+    row = torch.randn(1, weight.shape[1], generator=g)
+    row[0, 0] = 100.0
+    step = row.abs().amax() / 127
+    error = torch.round(row * (1 / step)).clamp(-127, 127) * step - row
+    aligned = weight.clone()
+    aligned[0] = error[0] / error.norm() * weight[1:].norm(dim=1).mean()
+    screen = fast_decoding.ScreenedArgmax(aligned)
+    _, screened = screen.screened_logits(row)
+    exact = float(row.double() @ aligned[0].double())
+    slack = screen.bounds(row, None, screened)[0, 0]
+    shift_term = float(row.abs().amax() * (weight.shape[1] ** 0.5 / 127 * (1 + 1e-4) / 2)) * screen.norm
+    assert abs(float(screened[0, 0]) - exact) <= float(slack)
+    assert abs(float(screened[0, 0]) - exact) > float(slack) - shift_term  # without the shift term: outside
+
+
+@needs_kernel
+def test_a_kernel_whose_product_rounds_beyond_the_bound_gives_no_screen(kernel_folder, monkeypatch):
+    from test_fast_decoding import screen_model
+    from vaswani_tx import fast_decoding
+
+    product = torch.ops.vaswani_tx_int8.linear
+    monkeypatch.setattr(torch.ops.vaswani_tx_int8, "linear", lambda *args: product(*args) * 2)
+    assert fast_decoding.ScreenedArgmax.of(screen_model(seed=10), 1) is None
+
+
 def test_a_folder_without_a_kernel_says_nothing(tmp_path, caplog):
     """A folder compiled without the kernel (`--no-int8`, another CPU, an earlier version): its models keep fbgemm's
     kernel, even in a process that loaded the kernel for another folder, and nothing is logged."""

@@ -19,7 +19,7 @@ from transformers import LogitsProcessorList
 from test_fast_decoding import ONE_SOURCE_SETTINGS, EndsAt, eos_prone_model, screen_model
 from test_int8_rows import in_a_fresh_process
 from test_modeling import batch, tiny_model
-from vaswani_tx import compiled_decoding, fast_decoding, native, one_source_beams
+from vaswani_tx import compiled_decoding, fast_decoding, int8_rows, native, one_source_beams
 from vaswani_tx.errors import UserInputError
 from vaswani_tx.generation_vaswani import fairseq_generation_config
 
@@ -126,20 +126,43 @@ def test_sentences_ending_early_under_a_processor_that_reads_ids(paths):
 # --- greedy search's int8 screen (`ScreenedArgmax`), its work after the int8 product in one call --------------------
 
 
-def test_the_librarys_screen_chooses_as_pythons(paths):
+@pytest.fixture(params=[False, True], ids=["torch's int8 product", "the int8 few-rows kernel"])
+def rows_kernel(request, tmp_path_factory, monkeypatch):
+    """Whether greedy search's screen takes the int8 few-rows kernel's product (int8_rows.py, loaded from a folder it
+    was built into; rows quantized to int8, `bounds` with rounded None) or torch's (rows rounded to bfloat16)."""
+    if request.param:
+        supported, why = int8_rows.cpu_supports()
+        if not supported:
+            pytest.skip(f"the int8 few-rows kernel does not run here: {why}")
+        folder = tmp_path_factory.mktemp("kernel")
+        int8_rows.build(folder)
+        assert int8_rows.load(folder)
+    else:
+        monkeypatch.setattr(int8_rows, "loaded", lambda: False)
+    return request.param
+
+
+def test_the_librarys_screen_chooses_as_pythons(paths, rows_kernel):
     """The same token as the Python screen and as the whole product's argmax for 1-7 rows at many scales, a near-tie,
-    masked columns; None (every logit computed by the caller) for a row all masked, a NaN, a flat row."""
+    masked columns; None (every logit computed by the caller) for a row all masked, a NaN, a flat row. Most calls
+    keep one column a row (the library's answer without a product), the near-tie two."""
     model = screen_model(seed=11)
     screen = fast_decoding.ScreenedArgmax.of(model, 1)
     if screen is None:
         pytest.skip(f"no int8 screen on this CPU (capability {torch.backends.cpu.get_cpu_capability()})")
+    assert (screen.rows_kernel is not None) == rows_kernel
     weight = model.lm_head.weight.detach()
     g = torch.Generator().manual_seed(3)
+    kept = []  # how many columns each trial's rows keep at most (the Python bound's count)
     for trial in range(60):
         hidden = torch.randn(1 + trial % 7, weight.shape[1], generator=g) * (0.25 + trial % 12)
         native = paths(True, screen, hidden)
         assert native is not None and torch.equal(native, paths(False, screen, hidden)), trial
         assert torch.equal(native, (hidden @ weight.t()).argmax(dim=1)), trial
+        rounded, screened = screen.screened_logits(hidden)
+        slack = screen.bounds(hidden, rounded, screened)
+        kept.append(int((screened + slack >= (screened - slack).amax(dim=1, keepdim=True)).sum(dim=1).max()))
+    assert 1 in kept and max(kept) > 1  # both the answer without a product and the product of the columns left
     hidden = torch.randn(3, weight.shape[1], generator=g) * 8
     best = int((hidden[0] @ weight.t()).argmax())
     with torch.no_grad():  # the runner-up a hair below the best: int8 cannot tell them apart, float32 can
@@ -159,10 +182,12 @@ def test_the_librarys_screen_chooses_as_pythons(paths):
 
 
 @pytest.mark.parametrize("settings", ["plain", "minimum length and suppressed tokens", "fairseq's cap"])
-def test_greedy_search_through_the_librarys_screen_gives_transformers_ids(settings, paths, monkeypatch):
+def test_greedy_search_through_the_librarys_screen_gives_transformers_ids(settings, paths, monkeypatch, rows_kernel):
     model = screen_model(seed=12)
-    if fast_decoding.ScreenedArgmax.of(model, 1) is None:
+    screen = fast_decoding.ScreenedArgmax.of(model, 1)
+    if screen is None:
         pytest.skip(f"no int8 screen on this CPU (capability {torch.backends.cpu.get_cpu_capability()})")
+    assert (screen.rows_kernel is not None) == rows_kernel
     kwargs = {
         "plain": dict(num_beams=1, max_new_tokens=12),
         "minimum length and suppressed tokens": dict(num_beams=1, max_new_tokens=12, min_new_tokens=6,

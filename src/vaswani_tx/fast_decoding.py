@@ -82,6 +82,7 @@ from transformers.generation.stopping_criteria import (
     StopStringCriteria,
 )
 
+from . import int8_rows
 from .compiled_decoding import (
     BEAMS_MODULE,
     FEW_ROWS_MAXIMA,
@@ -761,6 +762,12 @@ class ScreenedArgmax:
     is one C++ call (`screened_choice`, the same columns or a superset of them, the same product and tokens): in
     Python it is some 35 small tensor operations, 0.15-0.2 ms a step, as long as the decoder's step.
 
+    Where the int8 few-rows kernel is loaded (int8_rows.py: a CPU with AVX512-VNNI and a folder `vaswani-tx
+    compile` built it into), the product is that kernel's on the same int8 copy (blocks of 16 rows), the rows
+    quantized to int8 (a scale a row) rather than rounded to bfloat16: 63 against 157 us at one row and 8,000 x
+    256 (Intel Xeon, one thread), where torch's product spends its time converting, not reading W. The bound takes
+    the rows' larger rounding (`bounds`, rounded None); the columns left stay one or a few.
+
     Kept per model while W is unchanged, as `PackedProjection` is: the copy is W's size / 4 (19 MB for the base
     model), made in about 0.13 s at the first greedy call. The int8 product's rounding is checked against the
     bound once, when the copy is made (`_rounding_within_bound`); a torch whose product rounds otherwise gets no
@@ -788,12 +795,37 @@ class ScreenedArgmax:
                     error = max(error, float((read - w).norm(dim=1).max()))
                 norm = max(norm, float(w.norm(dim=1).max()))
         self.norm, self.error = norm, error  # max_j |ŵ_j| (and |w_j|), max_j |ŵ_j - w_j|
+        self.rows_kernel = None  # the int8 few-rows kernel's copy: (blocks, float32 scales, shifted sums)
+        if int8_rows.loaded():
+            ops = torch.ops.vaswani_tx_int8
+            self.rows_kernel = (ops.pack(self.quantized), self.scales.float(), ops.shift_sums(self.quantized))
+            self.quantized = None  # one copy: the kernel's
 
-    def bounds(self, rows: torch.Tensor, rounded: torch.Tensor, screened: torch.Tensor) -> torch.Tensor:
-        """For each screened logit (R, V), a bound on its distance to the float32 logit x·w_j."""
+    def screened_logits(self, rows: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """(x^, the rows as the int8 product read them, or None where the int8 few-rows kernel quantized them;
+        the screened logits (R, V), float32)."""
+        if self.rows_kernel is not None:
+            packed, scales, sums = self.rows_kernel
+            return None, torch.ops.vaswani_tx_int8.linear(rows, packed, scales, sums, None, scales.shape[0])
+        library = beams_library()
+        if library is not None:  # the same, in C++ (kernels/one_source_beams.cpp)
+            return library.screened_logits(rows, self.quantized, self.scales)
+        rounded = rows.to(torch.bfloat16)
+        return rounded, torch._weight_int8pack_mm(rounded, self.quantized, self.scales).float()
+
+    def bounds(self, rows: torch.Tensor, rounded: torch.Tensor | None, screened: torch.Tensor) -> torch.Tensor:
+        """For each screened logit (R, V), a bound on its distance to the float32 logit x·w_j. With `rounded`
+        None, the rows the int8 few-rows kernel quantized (s = max |x| / 127 a row, q = round(x / s) in float32):
+        |x^ - x| <= sqrt(D) s (1/2 + 2e-5), half a step each plus x / s's and s's roundings, taken as
+        sqrt(D) s (1 + 1e-4) / 2, and |x^| <= |x| + that."""
         width = rows.shape[-1]
-        x, x_hat = rows.norm(dim=1, keepdim=True), rounded.float().norm(dim=1, keepdim=True)
-        shift = (rounded.float() - rows).norm(dim=1, keepdim=True)
+        x = rows.norm(dim=1, keepdim=True)
+        if rounded is None:
+            shift = rows.abs().amax(dim=1, keepdim=True) * (math.sqrt(width) / 127 * (1 + 1e-4) / 2)
+            x_hat = x + shift
+        else:
+            x_hat = rounded.float().norm(dim=1, keepdim=True)
+            shift = (rounded.float() - rows).norm(dim=1, keepdim=True)
         sums = 2 * width * FLOAT32_UNIT * (x + x_hat) * self.norm  # the int8 product's and float32's sums
         return shift * self.norm + x * self.error + sums + 2 * BFLOAT16_UNIT * screened.abs()
 
@@ -801,17 +833,15 @@ class ScreenedArgmax:
         """The argmax of each row of `hidden @ W^T` over the columns `mask(scores)` leaves (it returns the scores
         with the masked columns at -inf), or None where the caller should compute all the logits."""
         rows = hidden.reshape(-1, hidden.shape[-1])
+        rounded, screened = self.screened_logits(rows)
         library = beams_library()
         if library is not None:  # the same, in C++ (kernels/one_source_beams.cpp); W, and so x, is on the CPU
-            rounded, screened = library.screened_logits(rows, self.quantized, self.scales)
             if mask is not None:
                 screened = mask(screened)
             chosen = library.screened_choice(
                 rows, rounded, screened, self.weight, self.norm, self.error, SCREEN_MAX_SHARE
             )
             return chosen if chosen.numel() else None
-        rounded = rows.to(torch.bfloat16)
-        screened = torch._weight_int8pack_mm(rounded, self.quantized, self.scales).float()
         slack = self.bounds(rows, rounded, screened)
         if mask is not None:
             screened = mask(screened)
@@ -846,6 +876,8 @@ class ScreenedArgmax:
         fingerprint, screen = _SCREENS.get(model, (None, None))
         if fingerprint != tensor_fingerprint(weight):
             _SCREENS.pop(model, None)  # the old copy goes before the new one is made
+            if getattr(model, "_compiled_folder", None) is not None:  # its int8 few-rows kernel, where it has one
+                int8_rows.load(model._compiled_folder, quiet=True)
             screen = cls(weight)
             screen = screen if _rounding_within_bound(screen) else None
             _SCREENS[model] = (tensor_fingerprint(weight), screen)
@@ -853,15 +885,16 @@ class ScreenedArgmax:
 
 
 def _rounding_within_bound(screen: ScreenedArgmax, columns: int = 256) -> bool:
-    """Whether torch's int8 product lands within `ScreenedArgmax.bounds` of the float32 logits (float64 sums) for
-    1 to `SCREEN_MAX_ROWS` rows of random hidden states, on W's first columns."""
+    """Whether the screen's int8 product (torch's, or the int8 few-rows kernel's) lands within
+    `ScreenedArgmax.bounds` of the float32 logits (float64 sums) for 1 to `SCREEN_MAX_ROWS` rows of random hidden
+    states, on W's first columns."""
     g = torch.Generator().manual_seed(0)
-    weight, quantized, scales = screen.weight.detach()[:columns], screen.quantized[:columns], screen.scales[:columns]
+    weight = screen.weight.detach()
     for count in range(1, SCREEN_MAX_ROWS + 1):
         rows = torch.randn(count, weight.shape[1], generator=g) * 4
-        rounded = rows.to(torch.bfloat16)
-        screened = torch._weight_int8pack_mm(rounded, quantized, scales).float()
-        exact = rows.double() @ weight.double().t()
+        rounded, screened = screen.screened_logits(rows)
+        screened = screened[:, :columns]  # (the product of all of W, as the screen calls it)
+        exact = rows.double() @ weight[:columns].double().t()
         if not bool(((screened.double() - exact).abs() <= screen.bounds(rows, rounded, screened).double()).all()):
             return False
     return True

@@ -10,6 +10,10 @@ scales, repacked.
     vaswani-tx compile MODEL         # builds MODEL/kernels/int8_rows.so beside the int8 step (about 10 s, g++)
     quantize_int8(model)             # a model loaded from MODEL: its int8 layers take the kernel at up to 32 rows
 
+The float32 model from such a folder takes it too, in greedy search's int8 screen (fast_decoding.py's
+`ScreenedArgmax`): the screen's product of a few rows by its int8 copy of the pre-softmax matrix, where torch's
+weight-only int8 product takes two and a half times as long (it converts more than it reads).
+
 The library is built with the C++ compiler for this torch (`torch.utils.cpp_extension`'s headers and libraries)
 and loaded where its manifest matches: this torch, this source, a CPU with the instructions. Anywhere else (another
 torch, a CPU without AVX512-VNNI, no compiler when compiling) the layers keep fbgemm's kernel, with one logged line.
@@ -102,10 +106,16 @@ def build(folder: str | os.PathLike) -> Path:
     )
 
 
-def load(folder: str | os.PathLike) -> bool:
+def loaded() -> bool:
+    """Whether the kernel's library is loaded into this process (`load`)."""
+    return _library_loaded
+
+
+def load(folder: str | os.PathLike, quiet: bool = False) -> bool:
     """Whether a model from `folder` takes the kernel: its `kernels/` holds one that fits (this torch, this source,
     this CPU), loaded into this process at the first such folder (one library a process: the same source). A folder
-    with none says nothing; one that does not fit logs one line."""
+    with none says nothing; one that does not fit logs one line (at debug level where `quiet`: greedy search's
+    screen asks, a float32 model that keeps torch's product without it)."""
     kernels = Path(folder) / FOLDER
     manifest = read_library_manifest(kernels, "the int8 few-rows kernel")
     if manifest is None:
@@ -125,7 +135,8 @@ def load(folder: str | os.PathLike) -> bool:
     if problem is None and not _library_loaded:
         problem = load_checked(manifest, kernels / LIBRARY, load_operators, digest_required=False)
     if problem is not None:
-        logger.warning("%s: not using the int8 few-rows kernel: %s; fbgemm's kernel instead", kernels, problem)
+        log = logger.debug if quiet else logger.warning
+        log("%s: not using the int8 few-rows kernel: %s; fbgemm's kernel instead", kernels, problem)
         return False
     return True
 

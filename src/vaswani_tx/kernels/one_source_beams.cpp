@@ -410,11 +410,71 @@ std::pair<std::vector<at::Tensor>, std::vector<at::Tensor>> slot_views(const at:
 // Greedy search's int8 screen (fast_decoding.py's `ScreenedArgmax`, where the bound and why it holds are written),
 // its work of a step in two calls around the processors' masking. In Python it was some 35 small tensor operations
 // a step, 0.15-0.2 ms at one row where the int8 product itself takes 0.06 (two threads): as long as the decoder's
-// step. First x^ (the rows in bfloat16) and the int8 product's logits, float32.
+// step. First x^ (the rows in bfloat16) and the int8 product's logits, float32 (where the int8 few-rows kernel is not
+// loaded: with it, `ScreenedArgmax` calls that kernel, whose rows are quantized to int8 within the kernel).
 std::tuple<at::Tensor, at::Tensor> screened_logits(const at::Tensor& rows, const at::Tensor& quantized,
                                                    const at::Tensor& scales) {
   const auto rounded = rows.to(at::kBFloat16);
   return {rounded, at::_weight_int8pack_mm(rounded, quantized, scales).to(at::kFloat)};
+}
+
+// One row's screened logits `row` (n): the largest lower end v - (base + per |v|) over its columns (-inf for a masked
+// column), and whether any logit is NaN or +inf. Four columns at a time where SSE2 is there (the same operations in
+// the same order as the scalar loop, so the same floats): a scalar loop with its tests took 27 us at 8,000 columns.
+float lowest_end(const float* row, int64_t n, float base, float per, bool& unusable) {
+  const float infinity = std::numeric_limits<float>::infinity();
+  float lowest = -infinity;
+  int64_t j = 0;
+#if defined(__SSE2__)
+  const __m128 base4 = _mm_set1_ps(base), per4 = _mm_set1_ps(per), inf4 = _mm_set1_ps(infinity);
+  const __m128 magnitude = _mm_castsi128_ps(_mm_set1_epi32(0x7fffffff));
+  __m128 lowest4 = _mm_set1_ps(-infinity), bad = _mm_setzero_ps();
+  for (; j + 4 <= n; j += 4) {
+    const __m128 v = _mm_loadu_ps(row + j);
+    bad = _mm_or_ps(bad, _mm_or_ps(_mm_cmpunord_ps(v, v), _mm_cmpeq_ps(v, inf4)));
+    lowest4 = _mm_max_ps(lowest4, _mm_sub_ps(v, _mm_add_ps(base4, _mm_mul_ps(per4, _mm_and_ps(v, magnitude)))));
+  }
+  alignas(16) float four[4];
+  _mm_store_ps(four, lowest4);
+  lowest = std::max(std::max(four[0], four[1]), std::max(four[2], four[3]));
+  unusable = unusable || _mm_movemask_ps(bad) != 0;
+#endif
+  for (; j < n; ++j) {
+    const float v = row[j];
+    unusable = unusable || std::isnan(v) || v == infinity;
+    const float low = v - (base + per * std::fabs(v));
+    lowest = low > lowest ? low : lowest;
+  }
+  return lowest;
+}
+
+// Marks in `kept` the columns of one row whose upper end v + (base + per |v|) reaches `lowest` (-inf + inf is not a
+// number: a masked column never does); gives how many and the last of them.
+int64_t mark_possible(const float* row, int64_t n, float base, float per, float lowest, uint8_t* kept, int64_t& last) {
+  int64_t count = 0, j = 0;
+#if defined(__SSE2__)
+  const __m128 base4 = _mm_set1_ps(base), per4 = _mm_set1_ps(per), lowest4 = _mm_set1_ps(lowest);
+  const __m128 magnitude = _mm_castsi128_ps(_mm_set1_epi32(0x7fffffff));
+  for (; j + 4 <= n; j += 4) {
+    const __m128 v = _mm_loadu_ps(row + j);
+    int bits = _mm_movemask_ps(
+        _mm_cmpge_ps(_mm_add_ps(v, _mm_add_ps(base4, _mm_mul_ps(per4, _mm_and_ps(v, magnitude)))), lowest4));
+    for (; bits != 0; bits &= bits - 1) {
+      last = j + __builtin_ctz(bits);
+      kept[last] = 1;
+      ++count;
+    }
+  }
+#endif
+  for (; j < n; ++j) {
+    const float v = row[j];
+    if (v + (base + per * std::fabs(v)) >= lowest) {
+      last = j;
+      kept[j] = 1;
+      ++count;
+    }
+  }
+  return count;
 }
 
 // Then, over the screened logits (masked columns at -inf): each row's bound, the columns that can hold its maximum
@@ -422,18 +482,24 @@ std::tuple<at::Tensor, at::Tensor> screened_logits(const at::Tensor& rows, const
 // each row's argmax among them. An empty tensor where the caller computes every logit: a row with a NaN or +inf,
 // a row with no column left (all masked), or more than `max_share` of the columns left. The bound is computed in
 // double and widened by a millionth, so that its own rounding never drops a column that the float32 bound keeps.
-at::Tensor screened_choice(const at::Tensor& rows, const at::Tensor& rounded, const at::Tensor& screened,
-                           const at::Tensor& weight, double norm, double error, double max_share) {
-  TORCH_CHECK(rows.dim() == 2 && screened.dim() == 2 && weight.dim() == 2 && rows.sizes() == rounded.sizes() &&
-                  screened.size(0) == rows.size(0) && screened.size(1) == weight.size(0) &&
-                  weight.size(1) == rows.size(1),
-              "screened_choice: rows (R, D), rounded (R, D), screened (R, V) and weight (V, D)");
+// `rounded` is x^, the rows the int8 product read, or none where the int8 few-rows kernel read them quantized to
+// int8 (scale s = max |x| / 127 a row): then |x^ - x| <= sqrt(D) s (1/2 + 2e-5) (half a step each, the kernel's
+// float32 x / s and s rounded), taken as sqrt(D) s (1 + 1e-4) / 2, and |x^| <= |x| + that.
+// A row with one column left needs no product: every other column's float32 logit is below that column's.
+at::Tensor screened_choice(const at::Tensor& rows, const std::optional<at::Tensor>& rounded,
+                           const at::Tensor& screened, const at::Tensor& weight, double norm, double error,
+                           double max_share) {
+  const bool int8_rows = !rounded.has_value() || !rounded->defined();
+  TORCH_CHECK(rows.dim() == 2 && screened.dim() == 2 && weight.dim() == 2 &&
+                  (int8_rows || rows.sizes() == rounded->sizes()) && screened.size(0) == rows.size(0) &&
+                  screened.size(1) == weight.size(0) && weight.size(1) == rows.size(1),
+              "screened_choice: rows (R, D), rounded (R, D) or None, screened (R, V) and weight (V, D)");
   TORCH_CHECK(rows.scalar_type() == at::kFloat && screened.scalar_type() == at::kFloat &&
                   weight.scalar_type() == at::kFloat && rows.device().is_cpu() && screened.device().is_cpu() &&
                   weight.device().is_cpu(),
               "screened_choice: float32 tensors on the CPU");
   const auto x = rows.contiguous();
-  const auto x_hat = rounded.to(at::kFloat).contiguous();
+  const auto x_hat = int8_rows ? x : rounded->to(at::kFloat).contiguous();
   const auto logits_in = screened.contiguous();
   const int64_t count = x.size(0), width = x.size(1), vocabulary = logits_in.size(1);
   const float* xs = x.data_ptr<float>();
@@ -441,43 +507,38 @@ at::Tensor screened_choice(const at::Tensor& rows, const at::Tensor& rounded, co
   const float* ss = logits_in.data_ptr<float>();
   constexpr double kFloat32Unit = 1.0 / (1 << 24), kBFloat16Unit = 1.0 / (1 << 8);
   constexpr double kWider = 1 + 1e-6;
-  const float infinity = std::numeric_limits<float>::infinity();
+  const auto none = [&] { return at::empty({0}, rows.options().dtype(at::kLong)); };
   std::vector<uint8_t> kept(vocabulary, 0);
-  int64_t columns = 0;
+  std::vector<int64_t> only(count);  // each row's column where it keeps one
+  bool one_each = true;
   for (int64_t r = 0; r < count; ++r) {
-    double xx = 0, hh = 0, dd = 0;
+    double xx = 0, hh = 0, dd = 0, largest = 0;
     for (int64_t i = 0; i < width; ++i) {
       const double a = xs[r * width + i], b = hs[r * width + i];
       xx += a * a;
       hh += b * b;
       dd += (b - a) * (b - a);
+      largest = std::max(largest, std::fabs(a));
     }
-    const double x_norm = std::sqrt(xx), x_hat_norm = std::sqrt(hh), shift = std::sqrt(dd);
+    const double x_norm = std::sqrt(xx);
+    const double shift = int8_rows ? std::sqrt(static_cast<double>(width)) * largest / 127 * (1 + 1e-4) / 2
+                                   : std::sqrt(dd);
+    const double x_hat_norm = int8_rows ? x_norm + shift : std::sqrt(hh);
     // |x^ - x| |ŵ_j| + |x| |ŵ_j - w_j| + the sums' rounding; the bfloat16 result's part is per column (below)
     const double fixed = shift * norm + x_norm * error + 2 * width * kFloat32Unit * (x_norm + x_hat_norm) * norm;
     const float base = static_cast<float>(fixed * kWider), per = static_cast<float>(2 * kBFloat16Unit * kWider);
     const float* row = ss + r * vocabulary;
-    float lowest = -infinity;
-    for (int64_t j = 0; j < vocabulary; ++j) {
-      const float v = row[j];
-      if (std::isnan(v) || v == infinity) return at::empty({0}, rows.options().dtype(at::kLong));
-      const float low = v - (base + per * std::fabs(v));  // -inf for a masked column
-      lowest = low > lowest ? low : lowest;
-    }
-    bool any = false;
-    for (int64_t j = 0; j < vocabulary; ++j) {
-      const float v = row[j];
-      if (v + (base + per * std::fabs(v)) >= lowest) {  // -inf + inf is not a number: a masked column never is
-        any = true;
-        columns += kept[j] == 0;
-        kept[j] = 1;
-      }
-    }
-    if (!any) return at::empty({0}, rows.options().dtype(at::kLong));
+    bool unusable = false;
+    const float lowest = lowest_end(row, vocabulary, base, per, unusable);
+    if (unusable) return none();
+    const int64_t possible = mark_possible(row, vocabulary, base, per, lowest, kept.data(), only[r]);
+    if (possible == 0) return none();
+    one_each = one_each && possible == 1;
   }
-  if (static_cast<double>(columns) > max_share * static_cast<double>(vocabulary)) {
-    return at::empty({0}, rows.options().dtype(at::kLong));
-  }
+  if (one_each) return at::tensor(only, rows.options().dtype(at::kLong));
+  int64_t columns = 0;
+  for (int64_t j = 0; j < vocabulary; ++j) columns += kept[j];
+  if (static_cast<double>(columns) > max_share * static_cast<double>(vocabulary)) return none();
   auto chosen = at::empty({columns}, rows.options().dtype(at::kLong));
   int64_t* picked = chosen.data_ptr<int64_t>();
   for (int64_t j = 0, n = 0; j < vocabulary; ++j) {
@@ -485,6 +546,7 @@ at::Tensor screened_choice(const at::Tensor& rows, const at::Tensor& rounded, co
   }
   auto logits = at::mm(x, weight.index_select(0, chosen).t()).contiguous();
   float* ls = logits.data_ptr<float>();
+  const float infinity = std::numeric_limits<float>::infinity();
   for (int64_t r = 0; r < count; ++r) {  // the processors' masked columns stay masked
     for (int64_t c = 0; c < columns; ++c) {
       if (ss[r * vocabulary + picked[c]] == -infinity) ls[r * columns + c] = -infinity;
