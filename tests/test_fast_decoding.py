@@ -961,7 +961,7 @@ def library_set_aside(monkeypatch):
     product in greedy search's screen, where an earlier test loaded the int8 few-rows kernel (test_int8_rows.py's
     tests take that one)."""
     monkeypatch.delitem(sys.modules, fast_decoding.BEAMS_MODULE, raising=False)
-    monkeypatch.setattr(fast_decoding.int8_rows, "loaded", lambda: False)
+    monkeypatch.setattr(fast_decoding, "rows_kernel_loaded", lambda: False)
 
 
 @pytest.fixture

@@ -165,7 +165,7 @@ def test_greedy_searchs_screen_asks_quietly(kernel_folder, tmp_path, caplog):
     shutil.copytree(kernel_folder / int8_rows.FOLDER, folder / int8_rows.FOLDER)
     manifest = folder / int8_rows.FOLDER / int8_rows.MANIFEST
     manifest.write_text(json.dumps({**json.loads(manifest.read_text()), "torch": "0.0.0"}))
-    with caplog.at_level(logging.DEBUG, logger="vaswani_tx.int8_rows"):
+    with caplog.at_level(logging.DEBUG, logger="vaswani_tx.compiled_decoding"):
         assert not int8_rows.load(folder, quiet=True)
     assert [record.levelno for record in caplog.records] == [logging.DEBUG]
     assert "built for torch 0.0.0" in caplog.records[0].getMessage()

@@ -138,7 +138,7 @@ def rows_kernel(request, tmp_path_factory, monkeypatch):
         int8_rows.build(folder)
         assert int8_rows.load(folder)
     else:
-        monkeypatch.setattr(int8_rows, "loaded", lambda: False)
+        monkeypatch.setattr(fast_decoding, "rows_kernel_loaded", lambda: False)
     return request.param
 
 

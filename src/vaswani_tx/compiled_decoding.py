@@ -729,3 +729,77 @@ def load_beams_library(folder: str | os.PathLike) -> bool:
         logger.warning("%s: not using the beam-search library: %s; beam search's Python loop instead", where, problem)
         return False
     return True
+
+
+# --- the int8 few-rows kernel (int8_rows.py builds it) -------------------------------------------------------------
+
+ROWS_KERNEL_FOLDER = "kernels"
+ROWS_KERNEL_LIBRARY = "int8_rows.so"
+ROWS_KERNEL_SOURCE = Path(__file__).with_name("kernels") / "int8_rows.cpp"
+# The /proc/cpuinfo flags that say a CPU has the instructions the kernel is compiled for.
+ROWS_KERNEL_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")
+
+_rows_kernel_loaded = False  # one library a process (it registers the operators), of the source the loading checks
+
+
+def rows_kernel_cpu_supports() -> tuple[bool, str]:
+    """(whether this CPU runs the int8 few-rows kernel, why not in words)."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return False, f"it is for x86-64 CPUs, this one is {platform.machine()}"
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
+            flags = next((line.split(":", 1)[1].split() for line in cpuinfo if line.startswith("flags")), [])
+    except OSError:
+        return False, "this system does not say which instructions its CPU has (/proc/cpuinfo)"
+    missing = [flag for flag in ROWS_KERNEL_CPU_FLAGS if flag not in flags]
+    if missing:
+        return False, f"this CPU lacks {', '.join(missing)}"
+    return True, ""
+
+
+def rows_kernel_manifest() -> dict:
+    """What an int8 few-rows kernel is built for: this torch, this source, these instructions."""
+    return {
+        "torch": torch.__version__,
+        "source": file_sha256(ROWS_KERNEL_SOURCE),
+        "cpu_flags": [*ROWS_KERNEL_CPU_FLAGS],
+    }
+
+
+def rows_kernel_loaded() -> bool:
+    """Whether the int8 few-rows kernel's library is loaded into this process (`load_rows_kernel`)."""
+    return _rows_kernel_loaded
+
+
+def load_rows_kernel(folder: str | os.PathLike, quiet: bool = False) -> bool:
+    """Whether a model from `folder` takes the int8 few-rows kernel (int8_rows.py): its `kernels/` holds one that fits
+    (this torch, this source, this CPU), loaded into this process at the first such folder (one library a process:
+    the same source). A folder with none says nothing; one that does not fit logs one line (at debug level where
+    `quiet`: greedy search's screen asks for a float32 model, which keeps torch's int8 product without it). A saved
+    folder's copy of this file (remote code, no C++ source beside it) loads none."""
+    kernels = Path(folder) / ROWS_KERNEL_FOLDER
+    if not ROWS_KERNEL_SOURCE.is_file():
+        return False
+    manifest = read_library_manifest(kernels, "the int8 few-rows kernel")
+    if manifest is None:
+        return False
+    supported, why = rows_kernel_cpu_supports()
+    problem = library_mismatch(manifest, rows_kernel_manifest()) or (None if supported else why)
+
+    def load_operators() -> None:
+        global _rows_kernel_loaded
+        torch.ops.load_library(str(kernels / ROWS_KERNEL_LIBRARY))
+        _rows_kernel_loaded = True
+
+        @torch.library.register_fake("vaswani_tx_int8::linear")  # for torch.export (compile_step.py)
+        def _(x, packed, scales, sums, bias, out_features):
+            return x.new_empty(*x.shape[:-1], out_features)
+
+    if problem is None and not _rows_kernel_loaded:
+        problem = load_checked(manifest, kernels / ROWS_KERNEL_LIBRARY, load_operators, digest_required=False)
+    if problem is not None:
+        (logger.debug if quiet else logger.warning)(
+            "%s: not using the int8 few-rows kernel: %s; fbgemm's kernel instead", kernels, problem
+        )
+        return False
+    return True

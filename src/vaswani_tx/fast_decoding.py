@@ -82,14 +82,15 @@ from transformers.generation.stopping_criteria import (
     StopStringCriteria,
 )
 
-from . import int8_rows
 from .compiled_decoding import (
     BEAMS_MODULE,
     FEW_ROWS_MAXIMA,
     CompiledStep,
     EncodedSource,
     gemm_backend,
+    load_rows_kernel,
     onednn_linear_available,
+    rows_kernel_loaded,
     step_for_rows,
     step_tensors,
     tensor_fingerprint,
@@ -796,7 +797,7 @@ class ScreenedArgmax:
                 norm = max(norm, float(w.norm(dim=1).max()))
         self.norm, self.error = norm, error  # max_j |ŵ_j| (and |w_j|), max_j |ŵ_j - w_j|
         self.rows_kernel = None  # the int8 few-rows kernel's copy: (blocks, float32 scales, shifted sums)
-        if int8_rows.loaded():
+        if rows_kernel_loaded():
             ops = torch.ops.vaswani_tx_int8
             self.rows_kernel = (ops.pack(self.quantized), self.scales.float(), ops.shift_sums(self.quantized))
             self.quantized = None  # one copy: the kernel's
@@ -877,7 +878,7 @@ class ScreenedArgmax:
         if fingerprint != tensor_fingerprint(weight):
             _SCREENS.pop(model, None)  # the old copy goes before the new one is made
             if getattr(model, "_compiled_folder", None) is not None:  # its int8 few-rows kernel, where it has one
-                int8_rows.load(model._compiled_folder, quiet=True)
+                load_rows_kernel(model._compiled_folder, quiet=True)
             screen = cls(weight)
             screen = screen if _rounding_within_bound(screen) else None
             _SCREENS[model] = (tensor_fingerprint(weight), screen)

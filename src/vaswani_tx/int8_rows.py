@@ -21,9 +21,7 @@ torch, a CPU without AVX512-VNNI, no compiler when compiling) the layers keep fb
 
 from __future__ import annotations
 
-import logging
 import os
-import platform
 from pathlib import Path
 
 import torch
@@ -33,18 +31,12 @@ from .compiled_decoding import (
     FEW_ROWS_MAX_INT8,
     ROWS_BUFFERS,
     file_sha256,
-    library_mismatch,
-    load_checked,
-    read_library_manifest,
 )
 from .errors import UserInputError
 
-logger = logging.getLogger(__name__)
-
-FOLDER = "kernels"
-LIBRARY = "int8_rows.so"
+FOLDER, LIBRARY = compiled_decoding.ROWS_KERNEL_FOLDER, compiled_decoding.ROWS_KERNEL_LIBRARY
 MANIFEST = compiled_decoding.MANIFEST  # what `native.build_into` writes beside the library
-SOURCE = Path(__file__).with_name("kernels") / "int8_rows.cpp"
+SOURCE = compiled_decoding.ROWS_KERNEL_SOURCE
 # Up to this many rows the int8 layers take the kernel: at least as many as the int8 few-rows step serves
 # (FEW_ROWS_MAX_INT8), so that the eager int8 path and that step compute the same products, and as many as the kernel
 # stays ahead of fbgemm's there. Since the kernel allocates nothing but its output, fbgemm's time over the kernel's is
@@ -62,35 +54,18 @@ def rows_limit(module: torch.nn.Module) -> int:
     return FEW_ROWS_MAX_INT8 if module.in_features * module.out_features > LARGE_LAYER else FEW_ROWS
 
 
-# The instructions the library is compiled for (gcc's names) and the /proc/cpuinfo flags that say a CPU has them.
+# The instructions the library is compiled for (gcc's names); the /proc/cpuinfo flags that say a CPU has them, and
+# the loading, live with the compiled steps' (compiled_decoding.py travels with saved models: the float32 model's
+# greedy search loads the kernel for its int8 screen).
 COMPILE_FLAGS = ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni")
-CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")
-
-_library_loaded = False  # one library a process (it registers the operators), of the source `load` checks
+CPU_FLAGS = compiled_decoding.ROWS_KERNEL_CPU_FLAGS
+cpu_supports = compiled_decoding.rows_kernel_cpu_supports
+load, loaded = compiled_decoding.load_rows_kernel, compiled_decoding.rows_kernel_loaded
 
 
 def source_digest() -> str:
     """sha256 of the kernel's source: a library is used only with the source it was built from."""
     return file_sha256(SOURCE)
-
-
-def cpu_supports() -> tuple[bool, str]:
-    """(whether this CPU runs the kernel, why not in words)."""
-    if platform.machine() not in ("x86_64", "AMD64"):
-        return False, f"it is for x86-64 CPUs, this one is {platform.machine()}"
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
-            flags = next((line.split(":", 1)[1].split() for line in cpuinfo if line.startswith("flags")), [])
-    except OSError:
-        return False, "this system does not say which instructions its CPU has (/proc/cpuinfo)"
-    missing = [flag for flag in CPU_FLAGS if flag not in flags]
-    if missing:
-        return False, f"this CPU lacks {', '.join(missing)}"
-    return True, ""
-
-
-def _manifest() -> dict:
-    return {"torch": torch.__version__, "source": source_digest(), "cpu_flags": list(CPU_FLAGS)}
 
 
 def build(folder: str | os.PathLike) -> Path:
@@ -102,43 +77,9 @@ def build(folder: str | os.PathLike) -> Path:
     if not supported:
         raise UserInputError(f"no int8 few-rows kernel: {why}")
     return native.build_into(
-        Path(folder) / FOLDER, SOURCE, LIBRARY, "int8 few-rows kernel", _manifest(), COMPILE_FLAGS
-    )
-
-
-def loaded() -> bool:
-    """Whether the kernel's library is loaded into this process (`load`)."""
-    return _library_loaded
-
-
-def load(folder: str | os.PathLike, quiet: bool = False) -> bool:
-    """Whether a model from `folder` takes the kernel: its `kernels/` holds one that fits (this torch, this source,
-    this CPU), loaded into this process at the first such folder (one library a process: the same source). A folder
-    with none says nothing; one that does not fit logs one line (at debug level where `quiet`: greedy search's
-    screen asks, a float32 model that keeps torch's product without it)."""
-    kernels = Path(folder) / FOLDER
-    manifest = read_library_manifest(kernels, "the int8 few-rows kernel")
-    if manifest is None:
-        return False
-    supported, why = cpu_supports()
-    problem = library_mismatch(manifest, _manifest()) or (None if supported else why)
-
-    def load_operators() -> None:
-        global _library_loaded
-        torch.ops.load_library(str(kernels / LIBRARY))
-        _library_loaded = True
-
-        @torch.library.register_fake("vaswani_tx_int8::linear")  # for torch.export (compile_step.py)
-        def _(x, packed, scales, sums, bias, out_features):
-            return x.new_empty(*x.shape[:-1], out_features)
-
-    if problem is None and not _library_loaded:
-        problem = load_checked(manifest, kernels / LIBRARY, load_operators, digest_required=False)
-    if problem is not None:
-        log = logger.debug if quiet else logger.warning
-        log("%s: not using the int8 few-rows kernel: %s; fbgemm's kernel instead", kernels, problem)
-        return False
-    return True
+        Path(folder) / FOLDER, SOURCE, LIBRARY, "int8 few-rows kernel", compiled_decoding.rows_kernel_manifest(),
+        COMPILE_FLAGS,
+    )  # fmt: skip
 
 
 def attach_weights(module: torch.nn.Module) -> None:
