@@ -674,6 +674,13 @@ def read_library_manifest(where: Path, what: str) -> dict | None:
         return None
 
 
+def source_and_manifest(where: Path, source: Path, what: str) -> dict | None:
+    """The manifest of the library built into `where` from `source` (`read_library_manifest`); None where there is
+    none, or where this copy of the package has no such source beside it (a saved folder's copy of this file: remote
+    code loads no library, since none can be checked against its source)."""
+    return read_library_manifest(where, what) if source.is_file() else None
+
+
 def library_mismatch(manifest: dict, here: dict) -> str | None:
     """The first way a library's manifest does not fit this process (`here`: what a library built now would say),
     in words; None where it fits."""
@@ -710,9 +717,7 @@ def load_beams_library(folder: str | os.PathLike) -> bool:
     if BEAMS_MODULE in sys.modules:
         return True
     where = Path(folder) / BEAMS_FOLDER
-    if not BEAMS_SOURCE.is_file():
-        return False
-    manifest = read_library_manifest(where, "the beam-search library")
+    manifest = source_and_manifest(where, BEAMS_SOURCE, "the beam-search library")
     if manifest is None:
         return False
 
@@ -778,9 +783,7 @@ def load_rows_kernel(folder: str | os.PathLike, quiet: bool = False) -> bool:
     `quiet`: greedy search's screen asks for a float32 model, which keeps torch's int8 product without it). A saved
     folder's copy of this file (remote code, no C++ source beside it) loads none."""
     kernels = Path(folder) / ROWS_KERNEL_FOLDER
-    if not ROWS_KERNEL_SOURCE.is_file():
-        return False
-    manifest = read_library_manifest(kernels, "the int8 few-rows kernel")
+    manifest = source_and_manifest(kernels, ROWS_KERNEL_SOURCE, "the int8 few-rows kernel")
     if manifest is None:
         return False
     supported, why = rows_kernel_cpu_supports()
