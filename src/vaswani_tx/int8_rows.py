@@ -76,10 +76,8 @@ def build(folder: str | os.PathLike) -> Path:
     supported, why = cpu_supports()
     if not supported:
         raise UserInputError(f"no int8 few-rows kernel: {why}")
-    return native.build_into(
-        Path(folder) / FOLDER, SOURCE, LIBRARY, "int8 few-rows kernel", compiled_decoding.rows_kernel_manifest(),
-        COMPILE_FLAGS,
-    )  # fmt: skip
+    manifest = compiled_decoding.rows_kernel_manifest()
+    return native.build_into(Path(folder) / FOLDER, SOURCE, LIBRARY, "int8 few-rows kernel", manifest, COMPILE_FLAGS)
 
 
 def attach_weights(module: torch.nn.Module) -> None:

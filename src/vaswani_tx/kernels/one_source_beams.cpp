@@ -418,21 +418,30 @@ std::tuple<at::Tensor, at::Tensor> screened_logits(const at::Tensor& rows, const
   return {rounded, at::_weight_int8pack_mm(rounded, quantized, scales).to(at::kFloat)};
 }
 
+// A screened logit's distance bound, base + per |v| (`bounds`), four at a time and one at a time: the same operations
+// in the same order, so the same floats.
+#if defined(__SSE2__)
+inline __m128 margins(__m128 v, __m128 base4, __m128 per4) {
+  const __m128 magnitude = _mm_castsi128_ps(_mm_set1_epi32(0x7fffffff));
+  return _mm_add_ps(base4, _mm_mul_ps(per4, _mm_and_ps(v, magnitude)));
+}
+#endif
+inline float margin(float v, float base, float per) { return base + per * std::fabs(v); }
+
 // One row's screened logits `row` (n): the largest lower end v - (base + per |v|) over its columns (-inf for a masked
-// column), and whether any logit is NaN or +inf. Four columns at a time where SSE2 is there (the same operations in
-// the same order as the scalar loop, so the same floats): a scalar loop with its tests took 27 us at 8,000 columns.
+// column), and whether any logit is NaN or +inf. Four columns at a time where SSE2 is there: a scalar loop with its
+// tests took 27 us at 8,000 columns.
 float lowest_end(const float* row, int64_t n, float base, float per, bool& unusable) {
   const float infinity = std::numeric_limits<float>::infinity();
   float lowest = -infinity;
   int64_t j = 0;
 #if defined(__SSE2__)
   const __m128 base4 = _mm_set1_ps(base), per4 = _mm_set1_ps(per), inf4 = _mm_set1_ps(infinity);
-  const __m128 magnitude = _mm_castsi128_ps(_mm_set1_epi32(0x7fffffff));
   __m128 lowest4 = _mm_set1_ps(-infinity), bad = _mm_setzero_ps();
   for (; j + 4 <= n; j += 4) {
     const __m128 v = _mm_loadu_ps(row + j);
     bad = _mm_or_ps(bad, _mm_or_ps(_mm_cmpunord_ps(v, v), _mm_cmpeq_ps(v, inf4)));
-    lowest4 = _mm_max_ps(lowest4, _mm_sub_ps(v, _mm_add_ps(base4, _mm_mul_ps(per4, _mm_and_ps(v, magnitude)))));
+    lowest4 = _mm_max_ps(lowest4, _mm_sub_ps(v, margins(v, base4, per4)));
   }
   alignas(16) float four[4];
   _mm_store_ps(four, lowest4);
@@ -442,7 +451,7 @@ float lowest_end(const float* row, int64_t n, float base, float per, bool& unusa
   for (; j < n; ++j) {
     const float v = row[j];
     unusable = unusable || std::isnan(v) || v == infinity;
-    const float low = v - (base + per * std::fabs(v));
+    const float low = v - margin(v, base, per);
     lowest = low > lowest ? low : lowest;
   }
   return lowest;
@@ -454,11 +463,9 @@ int64_t mark_possible(const float* row, int64_t n, float base, float per, float 
   int64_t count = 0, j = 0;
 #if defined(__SSE2__)
   const __m128 base4 = _mm_set1_ps(base), per4 = _mm_set1_ps(per), lowest4 = _mm_set1_ps(lowest);
-  const __m128 magnitude = _mm_castsi128_ps(_mm_set1_epi32(0x7fffffff));
   for (; j + 4 <= n; j += 4) {
     const __m128 v = _mm_loadu_ps(row + j);
-    int bits = _mm_movemask_ps(
-        _mm_cmpge_ps(_mm_add_ps(v, _mm_add_ps(base4, _mm_mul_ps(per4, _mm_and_ps(v, magnitude)))), lowest4));
+    int bits = _mm_movemask_ps(_mm_cmpge_ps(_mm_add_ps(v, margins(v, base4, per4)), lowest4));
     for (; bits != 0; bits &= bits - 1) {
       last = j + __builtin_ctz(bits);
       kept[last] = 1;
@@ -468,7 +475,7 @@ int64_t mark_possible(const float* row, int64_t n, float base, float per, float 
 #endif
   for (; j < n; ++j) {
     const float v = row[j];
-    if (v + (base + per * std::fabs(v)) >= lowest) {
+    if (v + margin(v, base, per) >= lowest) {
       last = j;
       kept[j] = 1;
       ++count;
