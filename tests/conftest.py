@@ -26,6 +26,18 @@ def library_cache(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def kernel_folder(tmp_path_factory):
+    """A folder holding the int8 few-rows kernel (int8_rows.py), built once a run and loaded into this process, where
+    the tests that ask for it run (a CPU with AVX512-VNNI and g++: they say so themselves)."""
+    from vaswani_tx import int8_rows
+
+    folder = tmp_path_factory.mktemp("kernel")
+    int8_rows.build(folder)
+    assert int8_rows.load(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
 def shared_data() -> Path:
     if not SHARED_DATA.is_dir():
         pytest.skip(f"shared data not found at {SHARED_DATA} (set VASWANI_SHARED_DATA)")

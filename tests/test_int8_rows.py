@@ -14,7 +14,8 @@ import pytest
 import torch
 from torch import nn
 
-from vaswani_tx import int8_rows
+from test_fast_decoding import screen_model
+from vaswani_tx import fast_decoding, int8_rows
 from vaswani_tx.errors import UserInputError
 from vaswani_tx.modeling_vaswani import VaswaniForConditionalGeneration
 from vaswani_tx.quantization import Int8Linear, quantize_int8
@@ -23,14 +24,6 @@ SUPPORTED, WHY = int8_rows.cpu_supports()
 needs_kernel = pytest.mark.skipif(
     not SUPPORTED or shutil.which("g++") is None, reason=f"the kernel does not run here: {WHY or 'no g++'}"
 )
-
-
-@pytest.fixture(scope="module")
-def kernel_folder(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("kernel")
-    int8_rows.build(folder)
-    assert int8_rows.load(folder)
-    return folder
 
 
 def quantized_linear(in_features: int, out_features: int, bias: bool = True, seed: int = 0) -> Int8Linear:
@@ -183,9 +176,6 @@ def test_the_kernels_screen_product_is_within_the_screens_bound(kernel_folder):
     """With the kernel loaded, the screen's int8 product is the kernel's on its own copy of W, the rows quantized
     to int8: each logit within `ScreenedArgmax.bounds` (rounded None) of the float32 logit (float64 sums) at many
     scales and a zero row, and |x^ - x| within the bound's shift for the kernel's own quantization."""
-    from test_fast_decoding import screen_model
-    from vaswani_tx import fast_decoding
-
     model = screen_model(seed=9)
     screen = fast_decoding.ScreenedArgmax.of(model, 1)
     if screen is None:
@@ -226,9 +216,6 @@ def test_the_kernels_screen_product_is_within_the_screens_bound(kernel_folder):
 
 @needs_kernel
 def test_a_kernel_whose_product_rounds_beyond_the_bound_gives_no_screen(kernel_folder, monkeypatch):
-    from test_fast_decoding import screen_model
-    from vaswani_tx import fast_decoding
-
     product = torch.ops.vaswani_tx_int8.linear
     monkeypatch.setattr(torch.ops.vaswani_tx_int8, "linear", lambda *args: product(*args) * 2)
     assert fast_decoding.ScreenedArgmax.of(screen_model(seed=10), 1) is None

@@ -127,16 +127,14 @@ def test_sentences_ending_early_under_a_processor_that_reads_ids(paths):
 
 
 @pytest.fixture(params=[False, True], ids=["torch's int8 product", "the int8 few-rows kernel"])
-def rows_kernel(request, tmp_path_factory, monkeypatch):
+def rows_kernel(request, monkeypatch):
     """Whether greedy search's screen takes the int8 few-rows kernel's product (int8_rows.py, loaded from a folder it
     was built into; rows quantized to int8, `bounds` with rounded None) or torch's (rows rounded to bfloat16)."""
     if request.param:
         supported, why = int8_rows.cpu_supports()
         if not supported:
             pytest.skip(f"the int8 few-rows kernel does not run here: {why}")
-        folder = tmp_path_factory.mktemp("kernel")
-        int8_rows.build(folder)
-        assert int8_rows.load(folder)
+        request.getfixturevalue("kernel_folder")  # built and loaded
     else:
         monkeypatch.setattr(fast_decoding, "rows_kernel_loaded", lambda: False)
     return request.param
