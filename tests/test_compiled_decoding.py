@@ -517,6 +517,38 @@ def test_the_few_rows_step_serves_only_the_weights_it_was_compiled_from(
     assert few_rows_calls and not any(few_rows_calls)
 
 
+def test_a_call_takes_the_weights_fingerprints_once_and_the_next_call_sees_a_change(
+    compiled_folder, encoder_calls, few_rows_calls, monkeypatch
+):
+    """A sentence a call asks the compiled encoder and the few-rows step whether the model's weights are still theirs;
+    within one generate() call the fingerprints are taken once (`one_call`), through the prepared set-up of a
+    sentence a call too, and dropped when the call ends, even by an error. A weight changed in place between two
+    calls is seen by the next: it encodes and decodes eagerly, with the changed model's ids."""
+    model = VaswaniForConditionalGeneration.from_pretrained(compiled_folder)
+    changed = eager_twin(compiled_folder)
+    taken = []
+    original = compiled_decoding.held_tensors
+    monkeypatch.setattr(compiled_decoding, "held_tensors", lambda m: taken.append(1) or original(m))
+    for seed in range(3):  # the first call makes the prepared set-up (`PreparedCall`), the others take it
+        ids, _ = one_source(5, seed=seed)
+        taken.clear(), encoder_calls.clear(), few_rows_calls.clear()
+        out = model.generate(input_ids=ids, max_new_tokens=10, num_beams=2)
+        assert torch.equal(out, changed.generate(input_ids=ids, max_new_tokens=10, num_beams=2))
+        assert encoder_calls == [(1, 5)] and few_rows_calls and all(few_rows_calls)
+        assert len(taken) == 1 and compiled_decoding.CALL_VERSIONS not in model.__dict__
+    with pytest.raises(ValueError):  # (ids beyond the vocabulary: refused within the call)
+        model.generate(input_ids=torch.full((1, 4), 10**6), max_new_tokens=10, num_beams=2)
+    assert compiled_decoding.CALL_VERSIONS not in model.__dict__
+    with torch.no_grad():
+        for m in (model, changed):
+            m.model.decoder.layers[0].feed_forward.w_1.weight.mul_(-1.5)
+            m.model.encoder.layers[0].feed_forward.w_1.weight.mul_(-1.5)
+    encoder_calls.clear(), few_rows_calls.clear()
+    out = model.generate(input_ids=ids, max_new_tokens=10, num_beams=2)
+    assert torch.equal(out, changed.generate(input_ids=ids, max_new_tokens=10, num_beams=2))
+    assert not encoder_calls and not any(few_rows_calls)
+
+
 def test_a_copy_of_the_model_decodes_through_a_step_of_its_own_and_int8_through_the_int8_step(compiled_folder, steps):
     """`copy.deepcopy` of a model with a compiled step (the library itself cannot be copied): the copy loads its own
     and binds it to the copy's tensors, leaving the original's alone; `quantize_int8`'s copy, as the docstring's

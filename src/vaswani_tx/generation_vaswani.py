@@ -35,7 +35,7 @@ from transformers.generation.logits_process import LogitsProcessor, LogitsProces
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria, StoppingCriteriaList
 from transformers.modeling_outputs import BaseModelOutput
 
-from .compiled_decoding import encoder_for
+from .compiled_decoding import encoder_for, one_call
 from .errors import UserInputError, check_token_ids
 from .fast_decoding import (
     beam_search,
@@ -311,8 +311,11 @@ class VaswaniGenerationMixin(GenerationMixin):
         if key is not None:
             prepared = self.__dict__.get("_prepared_calls", {}).get(key)
             if prepared is not None and prepared.holds(self, cap):
-                return prepared(self, kwargs["input_ids"], kwargs.get("attention_mask"), cap, kwargs.get("max_length"))
-        with requested(fast), capturing(key) as captured:
+                with one_call(self):
+                    return prepared(
+                        self, kwargs["input_ids"], kwargs.get("attention_mask"), cap, kwargs.get("max_length")
+                    )
+        with requested(fast), capturing(key) as captured, one_call(self):
             result = super().generate(
                 inputs, generation_config=generation_config, logits_processor=logits_processor, **kwargs
             )
