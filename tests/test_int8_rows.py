@@ -66,6 +66,20 @@ def test_the_kernel_computes_its_quantization_exactly(kernel_folder, rows, in_fe
 
 
 @needs_kernel
+def test_the_kernels_shift_sums_are_each_columns_sum_times_128(kernel_folder):
+    """What the unsigned shift adds to each accumulator: a column's int8 sum times 128, in int32, exact at the
+    extremes (K x 127 x 128), for any layout of W."""
+    torch.manual_seed(0)
+    weight = torch.randint(-127, 128, (37, 515), dtype=torch.int8)
+    weight[0], weight[1], weight[2] = 127, -127, 0
+    expected = (weight.long().sum(1) * 128).int()
+    for w in (weight, weight.t().contiguous().t()):
+        sums = torch.ops.vaswani_tx_int8.shift_sums(w)
+        assert sums.dtype == torch.int32 and torch.equal(sums, expected)
+    assert int(expected[0]) == 515 * 127 * 128
+
+
+@needs_kernel
 @pytest.mark.parametrize(
     "shape", [(2, 3, 256), (70, 1024)], ids=["3-d input, strided", "more rows than the thread's kept buffer"]
 )
