@@ -172,20 +172,10 @@ def architecture_fingerprint(config) -> str:
 
 def weights_fingerprint(model: nn.Module) -> str:
     """CRC-32 of the names, shapes and bytes of every tensor the step reads; a tensor shared under several names
-    (the one embedding matrix of Section 3.4) is read once. Kept on the model while those tensors are the same and
-    unchanged (`_versions`): each library loaded checks it, the few-rows step and the compiled encoder at their first
-    call, and reading every weight again there brought back the pages that an earlier library's packed copy had
-    given back (`release_replaced`: the base shape's encoder, 72 MB, held twice)."""
-    versions = _versions(model)
-    kept = model.__dict__.get("_weights_fingerprint")
-    if kept is not None and kept[0] == versions:
-        return kept[1]
-    fingerprint = _weights_crc(model)
-    model.__dict__["_weights_fingerprint"] = (versions, fingerprint)
-    return fingerprint
+    (the one embedding matrix of Section 3.4) is read once. A tensor whose pages were given back (its packed copy
+    serves: `fast_decoding.GIVEN_BACK`) gives them back again once read, so that the CRC holds one at a time."""
+    from .fast_decoding import GIVEN_BACK, release_file_pages  # (which imports this module)
 
-
-def _weights_crc(model: nn.Module) -> str:
     crc, seen = 0, set()
     for name, tensor in step_tensors(model).items():
         if name.rpartition(".")[2] in ROWS_BUFFERS:
@@ -194,6 +184,8 @@ def _weights_crc(model: nn.Module) -> str:
         if tensor.numel() and (tensor.data_ptr(), tensor.shape) not in seen:
             seen.add((tensor.data_ptr(), tensor.shape))
             crc = zlib.crc32(tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy(), crc)
+            if tensor.data_ptr() in GIVEN_BACK:
+                release_file_pages(tensor)
     return f"{crc:08x}"
 
 

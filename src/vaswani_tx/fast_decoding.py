@@ -488,6 +488,13 @@ MADV_PAGEOUT = getattr(mmap, "MADV_PAGEOUT", 21)
 PAGE = mmap.PAGESIZE
 
 
+# The data pointers of the tensors whose pages `release_file_pages` gave back. A later read of every weight (a
+# library's CRC as it loads, `weights_fingerprint`) gives each of them back again as soon as it has read it: the
+# compiled encoder gives its plain pages back at the first call, and the few-rows step, loaded next in that call,
+# read them again for its CRC, so the base shape held its encoder twice (72 MB; beam 4 batch 1 at MarianMT's + 14%).
+GIVEN_BACK: set[int] = set()
+
+
 def release_file_pages(tensor: torch.Tensor) -> int:
     """Give back the memory of `tensor`'s whole pages where it lies in a file mapped into memory, as
     `from_pretrained` leaves a model's weights (safetensors' mapping of model.safetensors, read lazily): its packed
@@ -507,6 +514,7 @@ def release_file_pages(tensor: torch.Tensor) -> int:
     madvise = _madvise()
     if madvise is None or madvise(first, last - first, MADV_PAGEOUT) != 0:
         return 0  # an older kernel (EINVAL): the pages stay, as before
+    GIVEN_BACK.add(start)
     return last - first
 
 
