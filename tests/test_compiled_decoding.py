@@ -532,11 +532,12 @@ def test_a_call_takes_the_weights_fingerprints_once_and_the_next_call_sees_a_cha
 
     def giving_back(tensor):  # as where the weights lie in a file mapping (a tiny model's may span no whole page)
         released.append(tensor.data_ptr())
-        fast_decoding.GIVEN_BACK.add(tensor.data_ptr())
+        compiled_decoding.GIVEN_BACK.add(tensor.data_ptr())
         return 4096
 
-    monkeypatch.setattr(fast_decoding, "release_file_pages", giving_back)
-    monkeypatch.setattr(fast_decoding, "GIVEN_BACK", set())
+    for module in (fast_decoding, compiled_decoding):
+        monkeypatch.setattr(module, "release_file_pages", giving_back)
+    monkeypatch.setattr(compiled_decoding, "GIVEN_BACK", set())
     taken = []
     original = compiled_decoding.held_tensors
     monkeypatch.setattr(compiled_decoding, "held_tensors", lambda m: taken.append(1) or original(m))

@@ -563,7 +563,7 @@ def test_a_tensor_mapped_from_a_file_gives_its_pages_back(tmp_path):
     assert torch.equal(mapped, values)  # every page read
     before = resident_bytes(path)
     released = fast_decoding.release_file_pages(mapped)
-    assert released >= values.numel() * 4 - 2 * fast_decoding.PAGE
+    assert released >= values.numel() * 4 - 2 * compiled_decoding.PAGE
     if not in_memory_filesystem(tmp_path):
         assert before - resident_bytes(path) >= 0.9 * released
     assert torch.equal(mapped, values)  # read back from the file

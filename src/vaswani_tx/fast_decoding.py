@@ -56,10 +56,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import ctypes
-import functools
 import math
-import mmap
 import sys
 import threading
 import weakref
@@ -90,6 +87,7 @@ from .compiled_decoding import (
     gemm_backend,
     load_rows_kernel,
     onednn_linear_available,
+    release_file_pages,
     rows_kernel_loaded,
     step_for_rows,
     step_tensors,
@@ -477,70 +475,6 @@ def projection_weight(model: nn.Module, bfloat16: bool = False) -> torch.Tensor 
     weight = head.weight
     dtypes = (torch.float32, torch.bfloat16) if bfloat16 else (torch.float32,)
     return weight if weight.device.type == "cpu" and weight.dtype in dtypes else None
-
-
-# --- the packed weights' plain pages, given back ----------------------------------------------------------------------
-
-# madvise(2)'s advice to reclaim the pages now (Linux 5.4 on; 21 on every architecture, which Python's mmap module
-# names only where it was built with the kernel's newer headers): a file's clean pages leave memory and are read from
-# the file again when touched; changed or anonymous pages are swapped out or, without swap, kept. No data is lost.
-MADV_PAGEOUT = getattr(mmap, "MADV_PAGEOUT", 21)
-PAGE = mmap.PAGESIZE
-
-
-# The data pointers of the tensors whose pages `release_file_pages` gave back. A later read of every weight (a
-# library's CRC as it loads, `weights_fingerprint`) gives each of them back again as soon as it has read it: the
-# compiled encoder gives its plain pages back at the first call, and the few-rows step, loaded next in that call,
-# read them again for its CRC, so the base shape held its encoder twice (72 MB; beam 4 batch 1 at MarianMT's + 14%).
-GIVEN_BACK: set[int] = set()
-
-
-def release_file_pages(tensor: torch.Tensor) -> int:
-    """Give back the memory of `tensor`'s whole pages where it lies in a file mapped into memory, as
-    `from_pretrained` leaves a model's weights (safetensors' mapping of model.safetensors, read lazily): its packed
-    copy now serves decoding (`PackedLinears`, `PackedProjection`), so without this the process would hold each
-    weight twice, plain and packed (164 MB more than MarianMT at the base shape, docs/speed.md). Touched again (the
-    compiled step, training, `state_dict`), the pages are read back from the file, the same bytes. A no-op, returning
-    0, where the tensor is not in a file mapping (weights made in memory: nothing to read them back from) or off
-    Linux; pages changed since they were read are the process' own: swapped out or kept, never dropped. Returns the bytes
-    advised."""
-    if not sys.platform.startswith("linux") or tensor.device.type != "cpu" or not tensor.is_contiguous():
-        return 0
-    start = tensor.data_ptr()
-    end = start + tensor.numel() * tensor.element_size()
-    first, last = -(-start // PAGE) * PAGE, end // PAGE * PAGE  # whole pages only: a neighbour's stay
-    if last <= first or not _in_file_mapping(first, last):
-        return 0
-    madvise = _madvise()
-    if madvise is None or madvise(first, last - first, MADV_PAGEOUT) != 0:
-        return 0  # an older kernel (EINVAL): the pages stay, as before
-    GIVEN_BACK.add(start)
-    return last - first
-
-
-@functools.cache
-def _madvise():
-    """The C library's madvise(2), or None where it cannot be had."""
-    try:
-        madvise = ctypes.CDLL(None, use_errno=True).madvise
-    except (OSError, AttributeError):
-        return None
-    madvise.argtypes, madvise.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
-    return madvise
-
-
-def _in_file_mapping(first: int, last: int) -> bool:
-    """Whether [first, last) lies in one mapping of a file (/proc/self/maps: a path, not [heap] or anonymous)."""
-    try:
-        with open("/proc/self/maps", encoding="utf-8", errors="replace") as maps:
-            for line in maps:
-                fields = line.split(maxsplit=5)
-                low, high = (int(bound, 16) for bound in fields[0].split("-"))
-                if low <= first < high:
-                    return last <= high and len(fields) == 6 and fields[5].startswith("/")
-    except OSError:
-        pass
-    return False
 
 
 # Below this many rows the product is bound by reading W, and packing gains nothing there (1-2 rows, base shape:
