@@ -305,9 +305,9 @@ def one_source(length: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def test_one_source_a_call_is_encoded_by_the_compiled_encoder(compiled_folder, encoder_calls):
-    """`vaswani-tx compile` writes the encoder of one source (`compiled-encoder`: its own copy of the encoder's weights
-    packed for Inductor's kernels, beside a package that holds none). One unpadded source a call (its mask all ones, or
-    none) is encoded there: the eager encoder's output to float32 rounding at every length, and generate()'s ids,
+    """`vaswani-tx compile` writes the encoder of one source (`compiled-encoder`: a package that holds no weights, its
+    products oneMKL's on the model's own or Inductor's on a packed copy, by the CPU's GEMM library: the test below).
+    One unpadded source a call (its mask all ones, or none) is encoded there: the eager encoder's output to float32 rounding at every length, and generate()'s ids,
     greedy and beam, the eager model's."""
     encoder_folder = compiled_folder / compiled_decoding.ENCODER_FOLDER
     manifest = json.loads((encoder_folder / MANIFEST).read_text())
@@ -334,6 +334,49 @@ def test_one_source_a_call_is_encoded_by_the_compiled_encoder(compiled_folder, e
                     out, eager.generate(input_ids=ids, attention_mask=mask, max_new_tokens=12, **settings)
                 )
                 assert encoder_calls == [(1, length)]
+
+
+@pytest.mark.parametrize("gemm", ["mkl", "onednn"])
+def test_the_compiled_encoders_products_are_the_cpus_gemm_librarys(compiled_folder, tmp_path, monkeypatch, gemm):
+    """Where oneMKL is the CPU's GEMM library (`VASWANI_TX_GEMM`, Intel's CPUs by default), the compiled encoder's
+    products are oneMKL's on the model's own weights: no packed copy (its weights file holds the positions' table
+    only), and the model's pages are not given back, since its products read them. Where oneDNN is, they are
+    Inductor's C++ template on a packed copy of the encoder's weights and the encoder-decoder keys' and values', whose
+    plain pages go back once. Either gives the eager encoder's output and generate()'s eager ids."""
+    monkeypatch.setenv(compiled_decoding.GEMM_VARIABLE, gemm)
+    if compiled_decoding.gemm_backend() != gemm:
+        pytest.skip("torch without oneDNN's inner product")
+    model = VaswaniForConditionalGeneration.from_pretrained(compiled_folder)
+    model.save_pretrained(tmp_path)
+    compile_step.compile_encoder(model, tmp_path)
+    encoder_folder = tmp_path / ENCODER_FOLDER
+    manifest = json.loads((encoder_folder / MANIFEST).read_text())
+    assert manifest["gemm"] == gemm and manifest["weights_packed"] is (gemm == "onednn")
+    assert_holds_no_weights(encoder_folder / PACKAGE)
+    config = model.config
+    # the encoder's products' weights and the encoder-decoder keys' and values', in bytes
+    weighed = 4 * config.d_model * (config.num_encoder_layers * (4 * config.d_model + 2 * config.d_ff)
+                                    + config.num_decoder_layers * 2 * config.d_model)  # fmt: skip
+    table = 4 * config.max_position_embeddings * config.d_model
+    own = (encoder_folder / compiled_decoding.FEW_ROWS_WEIGHTS).stat().st_size
+    assert own > table + weighed if gemm == "onednn" else own < table + weighed // 4
+    released = []
+    monkeypatch.setattr(fast_decoding, "release_file_pages", lambda tensor: released.append(tensor.data_ptr()) or 0)
+    loaded = VaswaniForConditionalGeneration.from_pretrained(tmp_path)
+    eager = eager_twin(compiled_folder)
+    for length in (3, 11):
+        ids, mask = one_source(length, seed=length + 1)
+        with torch.no_grad():
+            encoded = compiled_decoding.encoder_for(loaded, ids, mask)(ids)
+            expected = eager.get_encoder()(input_ids=ids).last_hidden_state
+        torch.testing.assert_close(encoded.hidden, expected, rtol=1e-5, atol=1e-5)
+        for settings in (dict(num_beams=1), dict(num_beams=3)):
+            out = loaded.generate(input_ids=ids, max_new_tokens=12, **settings)
+            assert torch.equal(out, eager.generate(input_ids=ids, max_new_tokens=12, **settings))
+    encoder_tensors = {name for name, source in manifest["constants"].items() if source == name}
+    tensors = compiled_decoding.step_tensors(loaded)
+    given_back = {name for name in encoder_tensors if tensors[name].data_ptr() in released}
+    assert given_back == (encoder_tensors if gemm == "onednn" else set())
 
 
 def test_the_compiled_encoder_embeds_with_the_encoders_own_table(tmp_path):
@@ -524,8 +567,8 @@ def test_a_call_takes_the_weights_fingerprints_once_and_the_next_call_sees_a_cha
     within one generate() call the fingerprints are taken once (`one_call`), through the prepared set-up of a
     sentence a call too, and dropped when the call ends, even by an error. A weight changed in place between two
     calls is seen by the next: it encodes and decodes eagerly, with the changed model's ids. The first call gives the
-    encoder's plain pages back, then loads the few-rows step, whose CRC reads them again and gives each back again
-    (`GIVEN_BACK`); no later call gives back any."""
+    encoder's plain pages back where it reads a packed copy of its own, then loads the few-rows step, whose CRC reads
+    them again and gives each back again (`GIVEN_BACK`); no later call gives back any."""
     model = VaswaniForConditionalGeneration.from_pretrained(compiled_folder)
     changed = eager_twin(compiled_folder)
     released = []
@@ -552,7 +595,9 @@ def test_a_call_takes_the_weights_fingerprints_once_and_the_next_call_sees_a_cha
             tensors = compiled_decoding.step_tensors(model)
             encoder = model._compiled_steps["encoder"].manifest["constants"]
             pointers = {tensors[name].data_ptr() for name, source in encoder.items() if source == name}
-            assert pointers and all(released.count(pointer) == 2 for pointer in pointers)
+            # (where the encoder's products read the model's own weights, oneMKL's CPUs, it gives none back)
+            given = 2 if model._compiled_steps["encoder"].manifest["weights_packed"] else 0
+            assert pointers and all(released.count(pointer) == given for pointer in pointers)
             released.clear()
     assert not released
     with pytest.raises(ValueError):  # (ids beyond the vocabulary: refused within the call)

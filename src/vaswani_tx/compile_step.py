@@ -544,10 +544,11 @@ def compile_encoder(model: nn.Module, folder: str | os.PathLike) -> Path:
     up to the model's positions) into `folder`/compiled-encoder, replaced whole; returns that folder.
 
     A sentence a call runs the encoder once over a handful of rows (3-40 source tokens), where each product reads
-    its weights for a few rows and Python's per-operator overhead is a large share: compiled as the few-rows step
-    is (Inductor's freezing, the weights packed for its C++ GEMM template into its own copy,
-    `compiled-encoder/weights.safetensors`), it takes about half the eager encoder's time (docs/speed.md). Calls of
-    several sources, or padded ones, keep the eager encoder, whose products serve many rows well.
+    its weights for a few rows and Python's per-operator overhead is a large share: compiled (Inductor's freezing),
+    it takes about half the eager encoder's time (docs/speed.md). Its products are oneMKL's on the model's own
+    weights where oneMKL is the CPU's GEMM library, else Inductor's C++ GEMM template on weights packed into a copy
+    of its own, `compiled-encoder/weights.safetensors` (`encoder_configs`; the manifest's `weights_packed`). Calls
+    of several sources, or padded ones, keep the eager encoder, whose products serve many rows well.
 
     Raises:
         UserInputError: a model this cannot compile (not float32 on the CPU; no C++ compiler)."""
@@ -570,13 +571,26 @@ def compile_encoder(model: nn.Module, folder: str | os.PathLike) -> Path:
         )
     known = step_tensors(model)
     only_weights_read(program, known, table, "the encoder")
+    packed = gemm_backend() != "mkl"
     with atomic_folder(Path(folder) / ENCODER_FOLDER) as out:
-        configs = {**packed_configs("CPP"), "aot_inductor.package_constants_in_so": False}
+        configs = {**encoder_configs(packed), "aot_inductor.package_constants_in_so": False}
         package = Path(_aoti_compiled(program, out, configs, "the encoder"))
         constants = _weights_apart(package, known, out / FEW_ROWS_WEIGHTS)
         manifest = {**library_manifest(model, rows, table, constants, "float32"), "part": "encoder"}
+        manifest["weights_packed"] = packed
         (out / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n", encoding="utf-8")
     return Path(folder) / ENCODER_FOLDER
+
+
+def encoder_configs(packed: bool) -> dict:
+    """Inductor's settings for the encoder. Where oneMKL is this CPU's GEMM library (`gemm_backend`), its products are
+    ATen's, oneMKL's on the model's own weights (no packed copy): on an Intel Xeon with AMX (one thread, the recipe's
+    model) 1.23 against 1.51 ms at 15 source tokens, 1.74 against 2.76 at 30, 4.66 against 10.64 at 120, since
+    oneMKL's GEMM keeps its speed as the rows grow and the template's does not. Elsewhere (oneDNN's CPUs), the
+    weights are packed for Inductor's C++ GEMM template, as for the few-rows step (`packed_configs`)."""
+    if packed:
+        return packed_configs("CPP")
+    return {**packed_configs("ATEN"), "cpp.weight_prepack": False}  # (prepacked, they would be oneDNN's products)
 
 
 def whole_table(stack: nn.Module, rows: int, like: torch.Tensor) -> torch.Tensor | None:

@@ -451,8 +451,9 @@ class CompiledStep:
 
 class CompiledEncoder(CompiledStep):
     """The float32 model's encoder compiled for one source without padding (compile_step.py's `EncoderPass`): the
-    same Section 3.1 stack, about twice as fast for a sentence's few rows. Like the few-rows step it reads weights it
-    packed into a copy of its own, and serves only while the model's are those it was made from."""
+    same Section 3.1 stack, about twice as fast for a sentence's few rows. Its products read the model's own weights
+    (oneMKL's CPUs) or, like the few-rows step's, a packed copy of its own (the manifest's `weights_packed`); either
+    way it serves only while the model's are those it was made from."""
 
     what, instead = "encoder", "encoding"
 

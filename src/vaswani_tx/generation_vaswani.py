@@ -334,7 +334,7 @@ class VaswaniGenerationMixin(GenerationMixin):
         compiled = self._compiled_encoder(inputs_tensor, model_kwargs, model_input_name, generation_config)
         if compiled is not None:
             check_token_ids(inputs_tensor, self.config.vocab_size, "input_ids")
-            release_replaced(self, compiled)  # its own packed copy serves: the plain pages go back to the file
+            release_replaced(self, compiled)  # where its own packed copy serves, the plain pages go back to the file
             encoded = self.__dict__["_encoded_source"] = compiled(inputs_tensor)  # its memory keys for the session
             model_kwargs["encoder_outputs"] = BaseModelOutput(last_hidden_state=encoded.hidden)
             return model_kwargs
