@@ -208,6 +208,32 @@ def test_beam_search_decodes_its_first_step_once_per_source(monkeypatch, loops):
     assert loops == ["beam_search"] * 2
 
 
+def test_beam_searchs_first_step_takes_the_projection_packed_for_the_beams(monkeypatch, gemm, loops):
+    """oneMKL packs W for one number of rows, the beams': the first step's one row a source goes through that packing,
+    repeated for its beams, rather than through the plain W; oneDNN's packing takes any number of rows, so the first
+    step projects one row a source. The ids stay transformers', also for one source at a time."""
+    products = []  # (whose product, its rows), in order
+    packed = fast_decoding.PackedProjection.__call__
+    monkeypatch.setattr(
+        fast_decoding.PackedProjection, "__call__", lambda self, hidden, *a, **k: products.append(
+            ("packed", hidden.reshape(-1, hidden.shape[-1]).shape[0])) or packed(self, hidden, *a, **k)
+    )  # fmt: skip
+    mm = torch.mm
+    monkeypatch.setattr(
+        fast_decoding.torch, "mm", lambda *a, **k: products.append(("plain", a[0].shape[0])) or mm(*a, **k)
+    )
+    model = eos_prone_model(seed=4)
+    for lengths in ((7, 4, 6, 2), (5,)):
+        ids, mask = batch(seed=6, lengths=lengths)
+        products.clear()
+        fast = model.generate(input_ids=ids, attention_mask=mask, num_beams=4, max_new_tokens=8)
+        # (later steps of fewer rows, once sources have finished, take the plain W where oneMKL packed it)
+        assert products[:2] == [("packed", len(lengths) * (4 if gemm == "mkl" else 1)), ("packed", len(lengths) * 4)]
+        stock = model.generate(input_ids=ids, attention_mask=mask, num_beams=4, max_new_tokens=8, fast_decoding=False)
+        assert torch.equal(fast, stock)
+    assert loops == ["beam_search"] * 2
+
+
 def test_the_packed_projection_follows_the_weights(gemm):
     """The pre-softmax matrix is packed once per model and number of rows; a change to the weights (an optimizer
     step, a loaded state dict) packs again rather than decode with the old ones."""
