@@ -307,8 +307,8 @@ def one_source(length: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
 def test_one_source_a_call_is_encoded_by_the_compiled_encoder(compiled_folder, encoder_calls):
     """`vaswani-tx compile` writes the encoder of one source (`compiled-encoder`: a package that holds no weights, its
     products oneMKL's on the model's own or Inductor's on a packed copy, by the CPU's GEMM library: the test below).
-    One unpadded source a call (its mask all ones, or none) is encoded there: the eager encoder's output to float32 rounding at every length, and generate()'s ids,
-    greedy and beam, the eager model's."""
+    One unpadded source a call (its mask all ones, or none) is encoded there: the eager encoder's output to float32
+    rounding at every length, and generate()'s ids, greedy and beam, the eager model's."""
     encoder_folder = compiled_folder / compiled_decoding.ENCODER_FOLDER
     manifest = json.loads((encoder_folder / MANIFEST).read_text())
     assert manifest["part"] == "encoder" and (encoder_folder / compiled_decoding.FEW_ROWS_WEIGHTS).is_file()

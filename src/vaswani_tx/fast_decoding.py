@@ -1490,16 +1490,15 @@ def first_step(session, tokens: torch.Tensor, num_beams: int, log_softmax: bool 
     if num_beams == 1 or not bool((prefixes == prefixes[:, :1]).all()):
         return session.step(tokens, log_softmax)
     beams = torch.arange(sources, device=tokens.device).repeat_interleave(num_beams)
+    hidden = session.hidden(tokens[::num_beams])  # (the session's `step` is its projection of this)
+    session.reorder(beams)
     if packed_for_beams_only(session, sources, beams.numel()):
         # W is packed for the beams' rows only (oneMKL's packing takes one number of rows): each source's one row,
         # repeated for its beams, through that packing, rather than through the plain W, which this step alone
         # would read (from memory: 0.57 ms at a row in the loop against 0.29 warm, and a copy of W more in the
         # caches)
-        hidden = session.hidden(tokens[::num_beams])
-        session.reorder(beams)
         return logits_of(session, hidden.index_select(0, beams), log_softmax)
-    logits = session.step(tokens[::num_beams], log_softmax)
-    session.reorder(beams)
+    logits = logits_of(session, hidden, log_softmax)
     # into a buffer kept on the model (`KeptBuffers`): the (rows, V) copy is tens of megabytes in batches
     out = KeptBuffers.of(session.model).take(session, beams.numel() * logits.shape[1], logits.dtype, logits.device)
     return torch.index_select(logits, 0, beams, out=out.view(beams.numel(), logits.shape[1]))

@@ -13,7 +13,8 @@ these weights only (a model changed since decodes through MODEL/compiled). The b
 (MODEL/compiled-few-bf16, up to 6 rows), where it has a bfloat16 step. A call of one source without padding is
 encoded by the float32 model's compiled encoder (MODEL/compiled-encoder: its products oneMKL's on the model's own
 weights where oneMKL is the CPU's GEMM library, else compiled the same way, its packed weights the encoder's size and
-the encoder-decoder keys' and values'), about twice as fast as the eager encoder there; it also gives each decoder layer's encoder-decoder keys and values, which the decoding then takes.
+the encoder-decoder keys' and values'), about twice as fast as the eager encoder there; it also gives each decoder
+layer's encoder-decoder keys and values, which the decoding then takes.
 The int8 model's step (MODEL/compiled-int8) serves `translate --int8` and `quantize_int8` the same way; its
 int8 products are the model's own layers, so its translations are the eager int8 path's to int8 rounding. On a CPU
 with AVX512-VNNI, the int8 products of up to 16 rows are those of an int8 kernel built here with g++
