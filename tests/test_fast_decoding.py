@@ -1135,6 +1135,17 @@ def test_the_screened_argmax_is_the_whole_products(rows, library_set_aside):
     assert screen(torch.full_like(hidden, math.nan)) is None
 
 
+def test_more_rows_than_torchs_int8_product_serves_get_no_screen_and_no_copy(library_set_aside):
+    """Past `SCREEN_MAX_ROWS` rows only the int8 few-rows kernel's product with the library's choice beats float32's
+    (`SCREEN_MAX_ROWS_KERNEL`): without them, a batch's greedy call gets no screen, and no int8 copy of W is made for
+    it (a quarter of W's bytes, which the call would not read)."""
+    model = screen_model(seed=14)
+    assert fast_decoding.ScreenedArgmax.of(model, fast_decoding.SCREEN_MAX_ROWS + 1) is None
+    assert model not in fast_decoding._SCREENS
+    if screened_argmax(model) is not None:  # (a CPU with the int8 product: the few rows' screen, then still none)
+        assert fast_decoding.ScreenedArgmax.of(model, fast_decoding.SCREEN_MAX_ROWS + 1) is None
+
+
 def test_the_int8_products_rounding_is_within_the_screens_bound(library_set_aside):
     """The screen rests on torch's weight-only int8 product rounding as the bound says (float32 sums, one bfloat16
     rounding of the result); checked once per copy, and here on more columns and scales than that check."""

@@ -176,7 +176,38 @@ def test_the_librarys_screen_chooses_as_pythons(paths, rows_kernel):
     assert torch.equal(paths(True, screen, hidden, without_best), masked.argmax(dim=1))
     assert paths(True, screen, hidden, lambda scores: scores.fill_(-math.inf)) is None
     assert paths(True, screen, torch.full_like(hidden, math.nan)) is None
-    assert paths(True, screen, torch.zeros_like(hidden)) is None  # every column ties: more than the share left
+    # every column ties: more than the share left, which the Python screen gives to the caller and the library
+    # computes, each row alone (its whole product: the first column)
+    assert paths(False, screen, torch.zeros_like(hidden)) is None
+    assert torch.equal(paths(True, screen, torch.zeros_like(hidden)), torch.zeros(3, dtype=torch.long))
+
+
+def test_the_librarys_screen_settles_rows_of_one_column_and_serves_a_batchs_rows(paths, rows_kernel):
+    """A batch's rows (40 and 300): the whole product's argmax, where random rows keep a few columns each, but
+    different ones (300 rows: a union product past `max_share`, each row's own columns instead). A row that keeps
+    one column is settled without a product: beside 39 peaked rows, a row of zeros keeps every column (all tie),
+    which the Python screen gives to the caller (None) and the library computes (its argmax, column 0, as the whole
+    product's)."""
+    model = screen_model(seed=13)
+    screen = fast_decoding.ScreenedArgmax.of(model, 1)
+    if screen is None:
+        pytest.skip(f"no int8 screen on this CPU (capability {torch.backends.cpu.get_cpu_capability()})")
+    assert (screen.rows_kernel is not None) == rows_kernel
+    weight = model.lm_head.weight.detach()
+    g = torch.Generator().manual_seed(5)
+    for count in (40, 300):
+        for scale in (0.5, 4.0, 16.0):
+            hidden = torch.randn(count, weight.shape[1], generator=g) * scale
+            assert torch.equal(paths(True, screen, hidden), (hidden @ weight.t()).argmax(dim=1)), (count, scale)
+    # peaked rows: each a multiple of one row of W, so that most keep that column alone
+    hidden = weight[torch.randint(0, weight.shape[0], (40,), generator=g)] * 40
+    hidden[0] = 0.0
+    rounded, screened = screen.screened_logits(hidden)
+    slack = screen.bounds(hidden, rounded, screened)
+    kept = (screened + slack >= (screened - slack).amax(dim=1, keepdim=True)).sum(dim=1)
+    assert int(kept[0]) == weight.shape[0] and int((kept[1:] == 1).sum()) >= 30
+    assert paths(False, screen, hidden) is None
+    assert torch.equal(paths(True, screen, hidden), (hidden @ weight.t()).argmax(dim=1))
 
 
 @pytest.mark.parametrize("settings", ["plain", "minimum length and suppressed tokens", "fairseq's cap"])
@@ -193,17 +224,19 @@ def test_greedy_search_through_the_librarys_screen_gives_transformers_ids(settin
         "fairseq's cap": dict(generation_config=fairseq_generation_config(model.config, beam=1, max_len_a=1.0,
                                                                           max_len_b=2)),
     }[settings]  # fmt: skip
-    chosen = []
+    chosen = []  # the rows of each of the library's choices
     choice = sys.modules[fast_decoding.BEAMS_MODULE].screened_choice
     monkeypatch.setattr(
-        sys.modules[fast_decoding.BEAMS_MODULE], "screened_choice", lambda *a: chosen.append(1) or choice(*a)
+        sys.modules[fast_decoding.BEAMS_MODULE], "screened_choice", lambda *a: chosen.append(len(a[0])) or choice(*a)
     )
-    for lengths in ((7,), (7, 4, 6)):  # one row; rows finishing at different steps
+    # one row; rows finishing at different steps; a batch of more rows than torch's int8 product serves
+    for lengths in ((7,), (7, 4, 6), (7, 4, 6, 5, 7, 3, 6, 7, 2, 5, 4, 6)):
         ids, mask = batch(seed=4, lengths=lengths, vocab=model.config.vocab_size)
         native = paths(True, model.generate, input_ids=ids, attention_mask=mask, **kwargs)
         assert torch.equal(native, paths(False, model.generate, input_ids=ids, attention_mask=mask, **kwargs))
         assert torch.equal(native, model.generate(input_ids=ids, attention_mask=mask, fast_decoding=False, **kwargs))
-    assert chosen
+    # the batch's 12 rows through the screen where its product is the int8 few-rows kernel's, else the whole product
+    assert max(chosen) == (12 if rows_kernel else 3)
 
 
 def test_the_slots_reordering_copies_what_pythons_does(paths):

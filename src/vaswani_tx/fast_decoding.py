@@ -670,10 +670,17 @@ class OwnProjection:
 
 # The screen pays from this many columns on (below, the whole product is a few microseconds).
 SCREEN_MIN_VOCABULARY = 4096
-# Up to this many rows the int8 product beats float32's (base shape, one core: 3.8 against 6.2 ms at one row, 5.1
+# Up to this many rows torch's int8 product beats float32's (base shape, one core: 3.8 against 6.2 ms at one row, 5.1
 # against 8.2 packed at 4, 9.9 against 15.7 at 7; even at 8 and 2.5x slower at 32), and the step is bound by
 # reading W. Greedy search from this many rows on packs W instead (PackedProjection).
 SCREEN_MAX_ROWS = PACK_ALL_ROWS - 1
+# Where the int8 few-rows kernel is loaded (int8_rows.py: VNNI's four products of bytes an instruction, where
+# float32's FMA does one), the screen beats float32's packed product at any number of rows: greedy search's batches
+# (Multi30k val: 95-292 rows a step at first, down to one) take it whole. The main job's model, 8,000 x 256, one
+# thread, Intel Xeon: the screen 0.10 / 0.38 / 1.49 / 3.01 / 8.4 ms at 8 / 32 / 128 / 256 / 512 rows, against 0.52
+# / 1.39 / 5.17 / 12.2 / 25.2 for oneMKL's packed product and its argmax; two threads 0.10 / 0.30 / 1.18 / 2.20 /
+# 6.1 against 0.49 / 0.79 / 2.73 / 5.31 / 12.6. Up to the rows the library's choice counts (in 16 bits).
+SCREEN_MAX_ROWS_KERNEL = 65535
 # More columns left than this share of the vocabulary (a flat distribution): the whole product instead.
 SCREEN_MAX_SHARE = 1 / 16
 # Rows of W quantized at a time: the temporaries stay under a MiB (2,048 rows at a time: a peak 21 MiB higher).
@@ -687,10 +694,12 @@ _SCREENS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 class ScreenedArgmax:
-    """argmax_j (x W^T)_j for greedy search's few rows, reading a quarter of W's bytes for most of the vocabulary.
+    """argmax_j (x W^T)_j for greedy search's rows, reading a quarter of W's bytes for most of the vocabulary.
 
-    At 1-7 rows the pre-softmax product is bound by reading W (V x d_model float32). An int8 copy of W, one scale a
-    row (as CTranslate2's int8), read by torch's weight-only int8 product (`torch._weight_int8pack_mm`, bfloat16
+    At 1-7 rows the pre-softmax product is bound by reading W (V x d_model float32); with the int8 few-rows kernel
+    (below), a batch's hundreds of rows are bound by its multiply-adds, four bytes' products an instruction where
+    float32's takes one (`SCREEN_MAX_ROWS_KERNEL`). An int8 copy of W, one scale a row (as CTranslate2's int8), read
+    by torch's weight-only int8 product (`torch._weight_int8pack_mm`, bfloat16
     rows) gives each logit to within a bound from norms: for x̂ the row in bfloat16 and ŵ_j the copy's row,
     |x̂·ŵ_j - x·w_j| <= |x̂ - x| |ŵ_j| + |x| |ŵ_j - w_j| (Cauchy-Schwarz), plus the float32 sums' rounding and the
     bfloat16 result's (one unit, 2^-8 of it, counted twice). A column can hold the row's maximum only if its
@@ -703,7 +712,9 @@ class ScreenedArgmax:
 
     Where the beam-search library is loaded (a folder `vaswani-tx compile` made), the work after the int8 product
     is one C++ call (`screened_choice`, the same columns or a superset of them, the same product and tokens): in
-    Python it is some 35 small tensor operations, 0.15-0.2 ms a step, as long as the decoder's step.
+    Python it is some 35 small tensor operations, 0.15-0.2 ms a step, as long as the decoder's step. It settles a
+    row that keeps one column without a product, and where the union of the other rows' columns is too many for one
+    product, computes each row's own (a batch's rows: `SCREEN_MAX_SHARE` is then the Python screen's only).
 
     Where the int8 few-rows kernel is loaded (int8_rows.py: a CPU with AVX512-VNNI and a folder `vaswani-tx
     compile` built it into), the product is that kernel's on the same int8 copy (blocks of 16 rows), the rows
@@ -806,8 +817,8 @@ class ScreenedArgmax:
         vocabulary, not float32 on the CPU, a replaced or biased pre-softmax layer, Marian's logit bias, a width
         the int8 product cannot take (a multiple of 16), a CPU where that product is not vectorized, or a torch
         whose product rounds beyond the bound."""
-        weight = projection_weight(model) if rows <= SCREEN_MAX_ROWS else None
-        if weight is None:
+        weight = projection_weight(model) if rows <= SCREEN_MAX_ROWS_KERNEL else None
+        if weight is None or (rows > SCREEN_MAX_ROWS and not _kernel_screens(model)):
             return None
         if weight.shape[0] < SCREEN_MIN_VOCABULARY or weight.shape[1] % 16 or model.config.final_logits_bias:
             return None
@@ -824,7 +835,19 @@ class ScreenedArgmax:
             screen = cls(weight)
             screen = screen if _rounding_within_bound(screen) else None
             _SCREENS[model] = (tensor_fingerprint(weight), screen)
+        if screen is not None and rows > SCREEN_MAX_ROWS and screen.rows_kernel is None:
+            return None  # (made before the kernel was loaded)
         return screen
+
+
+def _kernel_screens(model: nn.Module) -> bool:
+    """Whether a screen of the model would take the int8 few-rows kernel's product and the beam-search library's
+    choice (`SCREEN_MAX_ROWS_KERNEL`): both loaded from the model's folder, where `vaswani-tx compile` built them.
+    Asked before the screen's int8 copy of W is made, which a call of more rows would not use otherwise."""
+    if beams_library() is None:
+        return False
+    folder = getattr(model, "_compiled_folder", None)
+    return rows_kernel_loaded() or (folder is not None and load_rows_kernel(folder, quiet=True))
 
 
 def _rounding_within_bound(screen: ScreenedArgmax, columns: int = 256) -> bool:
@@ -1312,9 +1335,12 @@ def greedy_search(model, input_ids, logits_processor, stopping_criteria, generat
         chosen = None
         if screen is not None and (active is None or has_eos_stopping_criteria):
 
-            def mask(screened, active=active, input_ids=input_ids):  # the processors see every row, as transformers'
+            def mask(screened, active=active, input_ids=input_ids, processors=processors):
                 if active is None:
                     return process(logits_processor, input_ids, screened, columns)
+                if narrowing:  # the rows decoded only, as the argmax below gives them (a batch's tail: a few rows)
+                    return process(processors, input_ids[active], screened, columns)
+                # the processors see every row, as transformers'
                 rows = screened.new_zeros(batch, screened.shape[1]).index_copy_(0, active, screened)
                 return process(logits_processor, input_ids, rows, columns)[active]
 

@@ -11,8 +11,9 @@ scales, repacked.
     quantize_int8(model)             # a model loaded from MODEL: its int8 layers take the kernel at up to 32 rows
 
 The float32 model from such a folder takes it too, in greedy search's int8 screen (fast_decoding.py's
-`ScreenedArgmax`): the screen's product of a few rows by its int8 copy of the pre-softmax matrix, where torch's
-weight-only int8 product takes two and a half times as long (it converts more than it reads).
+`ScreenedArgmax`): the screen's product of a step's rows by its int8 copy of the pre-softmax matrix, where torch's
+weight-only int8 product takes two and a half times as long at a few rows (it converts more than it reads), and
+float32's four times as long at a batch's hundreds.
 
 The library is built with the C++ compiler for this torch (`torch.utils.cpp_extension`'s headers and libraries)
 and loaded where its manifest matches: this torch, this source, a CPU with the instructions. Anywhere else (another
@@ -21,6 +22,7 @@ torch, a CPU without AVX512-VNNI, no compiler when compiling) the layers keep fb
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 
@@ -77,7 +79,17 @@ def build(folder: str | os.PathLike) -> Path:
     if not supported:
         raise UserInputError(f"no int8 few-rows kernel: {why}")
     manifest = compiled_decoding.rows_kernel_manifest()
-    return native.build_into(Path(folder) / FOLDER, SOURCE, LIBRARY, "int8 few-rows kernel", manifest, COMPILE_FLAGS)
+    # OpenMP: the kernel's `at::parallel_for` shares a large product's blocks of columns between torch's threads (the
+    # process's one OpenMP runtime); without the flag it compiles to a loop on one thread. Greedy search's screen of
+    # a batch's rows (hundreds a step at first) at 128 rows: 1.09 ms on two threads without it as on one (1.06), 0.60
+    # with it (Intel Xeon). A compiler without OpenMP builds the same kernel on one thread.
+    build = functools.partial(
+        native.build_into, Path(folder) / FOLDER, SOURCE, LIBRARY, "int8 few-rows kernel", manifest
+    )
+    try:
+        return build((*COMPILE_FLAGS, "-fopenmp"))
+    except UserInputError:
+        return build(COMPILE_FLAGS)
 
 
 def attach_weights(module: torch.nn.Module) -> None:

@@ -15,6 +15,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -64,25 +65,43 @@ at::Tensor shift_sums(const at::Tensor& weight) {
   return sums;
 }
 
-template <int64_t Rows>
-void block_rows(const uint8_t* xq, int64_t groups, const int8_t* w, int32_t* out) {
-  // out: Rows x 16 int32 accumulators of this block of 16 columns
-  __m512i acc[Rows];
-  for (int64_t r = 0; r < Rows; ++r) acc[r] = _mm512_setzero_si512();
+template <int64_t Rows, int64_t Blocks>
+void block_rows(const uint8_t* xq, int64_t groups, const int8_t* w, int64_t block_stride, int32_t* out) {
+  // out: Blocks x kMaxRows x 16 int32 accumulators of `Blocks` adjacent blocks of 16 columns. Each broadcast of four
+  // bytes of a row serves every block: two blocks take one load of x for two vpdpbusd, where one block's loads of x
+  // bound the loop (8,000 x 256, one thread, Intel Xeon: 1.07 against 1.39 ms at 128 rows, 2.2 against 4.9 at 256).
+  __m512i acc[Blocks][Rows];
+  for (int64_t b = 0; b < Blocks; ++b) {
+    for (int64_t r = 0; r < Rows; ++r) acc[b][r] = _mm512_setzero_si512();
+  }
   for (int64_t g = 0; g < groups; ++g) {
-    const __m512i wv = _mm512_loadu_si512(reinterpret_cast<const void*>(w + g * kLanes * kGroup));
+    __m512i wv[Blocks];
+    for (int64_t b = 0; b < Blocks; ++b) {
+      wv[b] = _mm512_loadu_si512(reinterpret_cast<const void*>(w + b * block_stride + g * kLanes * kGroup));
+    }
     for (int64_t r = 0; r < Rows; ++r) {
       int32_t four;
       std::memcpy(&four, xq + r * groups * kGroup + g * kGroup, sizeof(four));
-      acc[r] = _mm512_dpbusd_epi32(acc[r], _mm512_set1_epi32(four), wv);
+      const __m512i xv = _mm512_set1_epi32(four);
+      for (int64_t b = 0; b < Blocks; ++b) acc[b][r] = _mm512_dpbusd_epi32(acc[b][r], xv, wv[b]);
     }
   }
-  for (int64_t r = 0; r < Rows; ++r) _mm512_storeu_si512(reinterpret_cast<void*>(out + r * kLanes), acc[r]);
+  for (int64_t b = 0; b < Blocks; ++b) {
+    for (int64_t r = 0; r < Rows; ++r) {
+      _mm512_storeu_si512(reinterpret_cast<void*>(out + (b * kMaxRows + r) * kLanes), acc[b][r]);
+    }
+  }
 }
 
-using BlockFn = void (*)(const uint8_t*, int64_t, const int8_t*, int32_t*);
-constexpr BlockFn kBlockFns[kMaxRows + 1] = {nullptr,         block_rows<1>, block_rows<2>, block_rows<3>, block_rows<4>,
-                                             block_rows<5>,   block_rows<6>, block_rows<7>, block_rows<8>};
+constexpr int64_t kBlocks = 2;  // blocks of columns a call of block_rows takes at most (three spill registers)
+using BlockFn = void (*)(const uint8_t*, int64_t, const int8_t*, int64_t, int32_t*);
+template <int64_t Blocks>
+constexpr std::array<BlockFn, kMaxRows + 1> kRowsFns = {
+    nullptr,                  block_rows<1, Blocks>, block_rows<2, Blocks>, block_rows<3, Blocks>,
+    block_rows<4, Blocks>,    block_rows<5, Blocks>, block_rows<6, Blocks>, block_rows<7, Blocks>,
+    block_rows<8, Blocks>};
+constexpr std::array<std::array<BlockFn, kMaxRows + 1>, kBlocks + 1> kBlockFns = {
+    std::array<BlockFn, kMaxRows + 1>{}, kRowsFns<1>, kRowsFns<2>};
 
 at::Tensor linear(
     const at::Tensor& input, const at::Tensor& packed, const at::Tensor& scales, const at::Tensor& sums,
@@ -142,26 +161,32 @@ at::Tensor linear(
   // microseconds, as much as a 256 x 1,024 product of 6 rows (1.5 million), which one thread does alone.
   const int64_t per_block = std::max<int64_t>(1, m * groups * kGroup * kLanes);
   at::parallel_for(0, blocks, std::max<int64_t>(1, kMinWork / per_block), [&](int64_t first, int64_t last) {
-    alignas(64) int32_t acc[kMaxRows * kLanes];
-    for (int64_t block = first; block < last; ++block) {
+    alignas(64) int32_t acc[kBlocks * kMaxRows * kLanes];
+    for (int64_t block = first; block < last; block += kBlocks) {
+      const int64_t taken = std::min(kBlocks, last - block);
       const int8_t* wb = w + block * groups * kLanes * kGroup;
-      const int64_t col0 = block * kLanes, cols = std::min(kLanes, out_features - col0);
       for (int64_t r0 = 0; r0 < m; r0 += kMaxRows) {
         const int64_t rows = std::min(kMaxRows, m - r0);
-        kBlockFns[rows](xq_data + r0 * padded, groups, wb, acc);
-        for (int64_t r = 0; r < rows; ++r) {
-          float* dst = out + (r0 + r) * out_features + col0;
-          const float s = row_scale[r0 + r];
-          if (cols == kLanes) {  // the same operations as below, 16 columns at a time (no fused multiply-add)
-            const __m512i sums16 = _mm512_sub_epi32(_mm512_load_si512(acc + r * kLanes), _mm512_loadu_si512(shift + col0));
-            __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(sums16), _mm512_mul_ps(_mm512_set1_ps(s), _mm512_loadu_ps(ws + col0)));
-            if (b != nullptr) v = _mm512_add_ps(v, _mm512_loadu_ps(b + col0));
-            _mm512_storeu_ps(dst, v);
-            continue;
-          }
-          for (int64_t c = 0; c < cols; ++c) {
-            const float v = static_cast<float>(acc[r * kLanes + c] - shift[col0 + c]) * (s * ws[col0 + c]);
-            dst[c] = b != nullptr ? v + b[col0 + c] : v;
+        kBlockFns[taken][rows](xq_data + r0 * padded, groups, wb, groups * kLanes * kGroup, acc);
+        for (int64_t of = 0; of < taken; ++of) {
+          const int64_t col0 = (block + of) * kLanes, cols = std::min(kLanes, out_features - col0);
+          const int32_t* sums = acc + of * kMaxRows * kLanes;
+          for (int64_t r = 0; r < rows; ++r) {
+            float* dst = out + (r0 + r) * out_features + col0;
+            const float s = row_scale[r0 + r];
+            if (cols == kLanes) {  // the same operations as below, 16 columns at a time (no fused multiply-add)
+              const __m512i sums16 =
+                  _mm512_sub_epi32(_mm512_load_si512(sums + r * kLanes), _mm512_loadu_si512(shift + col0));
+              __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(sums16),
+                                       _mm512_mul_ps(_mm512_set1_ps(s), _mm512_loadu_ps(ws + col0)));
+              if (b != nullptr) v = _mm512_add_ps(v, _mm512_loadu_ps(b + col0));
+              _mm512_storeu_ps(dst, v);
+              continue;
+            }
+            for (int64_t c = 0; c < cols; ++c) {
+              const float v = static_cast<float>(sums[r * kLanes + c] - shift[col0 + c]) * (s * ws[col0 + c]);
+              dst[c] = b != nullptr ? v + b[col0 + c] : v;
+            }
           }
         }
       }
