@@ -140,16 +140,21 @@ def rows_kernel(request, monkeypatch):
     return request.param
 
 
-def test_the_librarys_screen_chooses_as_pythons(paths, rows_kernel):
-    """The same token as the Python screen and as the whole product's argmax for 1-7 rows at many scales, a near-tie,
-    masked columns; None (every logit computed by the caller) for a row all masked, a NaN, a flat row. Most calls
-    keep one column a row (the library's answer without a product), the near-tie two."""
-    model = screen_model(seed=11)
+def kernel_screen(model, rows_kernel: bool):
+    """The model's screen, its product the int8 few-rows kernel's where `rows_kernel` (else torch's), and its W."""
     screen = fast_decoding.ScreenedArgmax.of(model, 1)
     if screen is None:
         pytest.skip(f"no int8 screen on this CPU (capability {torch.backends.cpu.get_cpu_capability()})")
     assert (screen.rows_kernel is not None) == rows_kernel
-    weight = model.lm_head.weight.detach()
+    return screen, model.lm_head.weight.detach()
+
+
+def test_the_librarys_screen_chooses_as_pythons(paths, rows_kernel):
+    """The same token as the Python screen and as the whole product's argmax for 1-7 rows at many scales, a near-tie,
+    masked columns; None (every logit computed by the caller) for a row all masked, a NaN; flat rows (every column
+    kept) each computed whole. Most calls keep one column a row (the library's answer without a product), the
+    near-tie two."""
+    screen, weight = kernel_screen(screen_model(seed=11), rows_kernel)
     g = torch.Generator().manual_seed(3)
     kept = []  # how many columns each trial's rows keep at most (the Python bound's count)
     for trial in range(60):
@@ -188,12 +193,7 @@ def test_the_librarys_screen_settles_rows_of_one_column_and_serves_a_batchs_rows
     one column is settled without a product: beside 39 peaked rows, a row of zeros keeps every column (all tie),
     which the Python screen gives to the caller (None) and the library computes (its argmax, column 0, as the whole
     product's)."""
-    model = screen_model(seed=13)
-    screen = fast_decoding.ScreenedArgmax.of(model, 1)
-    if screen is None:
-        pytest.skip(f"no int8 screen on this CPU (capability {torch.backends.cpu.get_cpu_capability()})")
-    assert (screen.rows_kernel is not None) == rows_kernel
-    weight = model.lm_head.weight.detach()
+    screen, weight = kernel_screen(screen_model(seed=13), rows_kernel)
     g = torch.Generator().manual_seed(5)
     for count in (40, 300):
         for scale in (0.5, 4.0, 16.0):

@@ -429,6 +429,32 @@ inline __m128 margins(__m128 v, __m128 base4, __m128 per4) {
 #endif
 inline float margin(float v, float base, float per) { return base + per * std::fabs(v); }
 
+// The scans' last columns, one at a time (the vector loops below stop at a whole vector).
+float lowest_end_from(const float* row, int64_t j, int64_t n, float base, float per, float lowest, bool& unusable) {
+  const float infinity = std::numeric_limits<float>::infinity();
+  for (; j < n; ++j) {
+    const float v = row[j];
+    unusable = unusable || std::isnan(v) || v == infinity;
+    const float low = v - margin(v, base, per);
+    lowest = low > lowest ? low : lowest;
+  }
+  return lowest;
+}
+
+int64_t mark_possible_from(const float* row, int64_t j, int64_t n, float base, float per, float lowest,
+                           uint16_t* kept, std::vector<int64_t>& found) {
+  int64_t count = 0;
+  for (; j < n; ++j) {
+    const float v = row[j];
+    if (v + margin(v, base, per) >= lowest) {
+      found.push_back(j);
+      ++kept[j];
+      ++count;
+    }
+  }
+  return count;
+}
+
 // One row's screened logits `row` (n): the largest lower end v - (base + per |v|) over its columns (-inf for a masked
 // column), and whether any logit is NaN or +inf. Four columns at a time where SSE2 is there: a scalar loop with its
 // tests took 27 us at 8,000 columns.
@@ -449,13 +475,7 @@ float lowest_end_sse(const float* row, int64_t n, float base, float per, bool& u
   lowest = std::max(std::max(four[0], four[1]), std::max(four[2], four[3]));
   unusable = unusable || _mm_movemask_ps(bad) != 0;
 #endif
-  for (; j < n; ++j) {
-    const float v = row[j];
-    unusable = unusable || std::isnan(v) || v == infinity;
-    const float low = v - margin(v, base, per);
-    lowest = low > lowest ? low : lowest;
-  }
-  return lowest;
+  return lowest_end_from(row, j, n, base, per, lowest, unusable);
 }
 
 // Counts in `kept` the columns of one row whose upper end v + (base + per |v|) reaches `lowest` (-inf + inf is not
@@ -476,15 +496,7 @@ int64_t mark_possible_sse(const float* row, int64_t n, float base, float per, fl
     }
   }
 #endif
-  for (; j < n; ++j) {
-    const float v = row[j];
-    if (v + margin(v, base, per) >= lowest) {
-      found.push_back(j);
-      ++kept[j];
-      ++count;
-    }
-  }
-  return count;
+  return count + mark_possible_from(row, j, n, base, per, lowest, kept, found);
 }
 
 // The same two scans sixteen columns at a time, where the CPU has AVX-512 (the library itself is built for any
@@ -508,13 +520,7 @@ __attribute__((target("avx512f"))) float lowest_end_avx512(const float* row, int
   }
   float lowest = _mm512_reduce_max_ps(lowest16);
   unusable = unusable || bad != 0;
-  for (; j < n; ++j) {
-    const float v = row[j];
-    unusable = unusable || std::isnan(v) || v == infinity;
-    const float low = v - margin(v, base, per);
-    lowest = low > lowest ? low : lowest;
-  }
-  return lowest;
+  return lowest_end_from(row, j, n, base, per, lowest, unusable);
 }
 
 __attribute__((target("avx512f"))) int64_t mark_possible_avx512(const float* row, int64_t n, float base, float per,
@@ -533,15 +539,7 @@ __attribute__((target("avx512f"))) int64_t mark_possible_avx512(const float* row
       ++count;
     }
   }
-  for (; j < n; ++j) {
-    const float v = row[j];
-    if (v + margin(v, base, per) >= lowest) {
-      found.push_back(j);
-      ++kept[j];
-      ++count;
-    }
-  }
-  return count;
+  return count + mark_possible_from(row, j, n, base, per, lowest, kept, found);
 }
 
 const bool kAvx512 = __builtin_cpu_supports("avx512f");
