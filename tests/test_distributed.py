@@ -116,13 +116,15 @@ def test_ddp_config_on_two_cpu_processes_equals_one_process(stand_in, one_proces
 
 
 def test_fsdp_config_on_two_cpu_processes(stand_in, one_process, tmp_path):
-    """accelerate 1.15 runs FSDP on GPUs and other accelerators only. As committed (sync_module_states, which
-    needs a device to initialise on), the FSDP config stops on the CPU with accelerate's own error; with that
-    setting off, accelerate runs the processes as DDP (its CPU set-up has no FSDP), which `train` says, and
-    the run equals one process."""
+    """accelerate 1.15-1.16 runs FSDP on GPUs and other accelerators only. As committed (sync_module_states, which
+    needs a device to initialise on), the FSDP config stops on the CPU with accelerate's own error (1.15: "no
+    available devices found"; 1.16: "... `sync_module_states=True` is not supported on cpu"); with that setting
+    off, accelerate runs the processes as DDP (its CPU set-up has no FSDP), which `train` says, and the run equals
+    one process."""
     refused = _train(stand_in, tmp_path / "fsdp-as-committed", "fsdp-8gpu.yaml")
     assert refused.returncode != 0
-    assert "no available devices found" in refused.stdout + refused.stderr
+    output = refused.stdout + refused.stderr
+    assert "no available devices found" in output or "`sync_module_states=True` is not supported on cpu" in output
     result = _train(stand_in, tmp_path / "fsdp", "fsdp-8gpu.yaml", ("--fsdp_sync_module_states", "false"))
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-3000:]
