@@ -117,14 +117,15 @@ def test_ddp_config_on_two_cpu_processes_equals_one_process(stand_in, one_proces
 
 def test_fsdp_config_on_two_cpu_processes(stand_in, one_process, tmp_path):
     """accelerate 1.15-1.16 runs FSDP on GPUs and other accelerators only. As committed (sync_module_states, which
-    needs a device to initialise on), the FSDP config stops on the CPU with accelerate's own error (1.15: "no
-    available devices found"; 1.16: "... `sync_module_states=True` is not supported on cpu"); with that setting
-    off, accelerate runs the processes as DDP (its CPU set-up has no FSDP), which `train` says, and the run equals
-    one process."""
+    needs a device to initialise on), the FSDP config is refused on the CPU before any work, with one line that
+    says how to turn it off (accelerate's own errors came after the data were made: 1.15 "no available devices
+    found", 1.16 "... is not supported on cpu"); with that setting off, accelerate runs the processes as DDP (its
+    CPU set-up has no FSDP), which `train` says, and the run equals one process."""
     refused = _train(stand_in, tmp_path / "fsdp-as-committed", "fsdp-8gpu.yaml")
-    assert refused.returncode != 0
+    assert refused.returncode != 0  # (each process exits 2; the launcher reports its children's failure)
     output = refused.stdout + refused.stderr
-    assert "no available devices found" in output or "`sync_module_states=True` is not supported on cpu" in output
+    assert "fsdp_sync_module_states" in output and "--fsdp_sync_module_states false" in output
+    assert "unexpected" not in output and "training pairs" not in output  # (refused before the data)
     result = _train(stand_in, tmp_path / "fsdp", "fsdp-8gpu.yaml", ("--fsdp_sync_module_states", "false"))
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-3000:]

@@ -21,6 +21,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+import torch
 from matplotlib.figure import Figure
 from transformers import (
     DataCollatorForSeq2Seq,
@@ -44,6 +45,7 @@ from vaswani_tx.checkpoints import (
     replaced_average,
     resume_checkpoint,
 )
+from vaswani_tx.errors import UserInputError
 from vaswani_tx.evaluation import make_compute_metrics
 from vaswani_tx.folders import RunLock, check_writable
 from vaswani_tx.modeling_vaswani import VaswaniForConditionalGeneration
@@ -170,6 +172,23 @@ def _sampler_state(trainer: VaswaniTrainer) -> dict[str, int]:
     ).state_dict()
 
 
+def refuse_fsdp_sync_on_cpu(arguments) -> None:
+    """An accelerate FSDP config with `fsdp_sync_module_states` (the repository's fsdp-8gpu.yaml) on the CPU, refused
+    before any work: its parameters are initialised on an accelerator, and accelerate 1.16 raises a RuntimeError at
+    the Trainer's start (1.15: "no available devices found"), after the tokenizer and data are made. Off, accelerate
+    runs the processes as DDP there (`train` says so)."""
+    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() != "true":
+        return
+    if os.environ.get("FSDP_SYNC_MODULE_STATES", "false").lower() != "true":
+        return
+    if arguments.use_cpu or not torch.accelerator.is_available():
+        raise UserInputError(
+            "the accelerate config asks for FSDP with fsdp_sync_module_states, which initialises the parameters on "
+            "a GPU or other accelerator, and this run is on the CPU: set fsdp_sync_module_states: false in the "
+            "config or pass `accelerate launch --fsdp_sync_module_states false` (on the CPU accelerate then runs DDP)"
+        )
+
+
 def train(
     recipe: RecipeConfig,
     arguments: Seq2SeqTrainingArguments,
@@ -227,6 +246,7 @@ def _train(
     force: bool,
 ) -> dict[str, Any]:
     refuse_earlier_run(recipe, arguments, force)  # every process, so that all refuse together
+    refuse_fsdp_sync_on_cpu(arguments)
     checkpoint = resume_checkpoint(arguments.output_dir, resume)
     config = load_model_config(recipe.model_config)
     tokenizer = _prepare_tokenizer(recipe, config, arguments)
