@@ -22,7 +22,6 @@ torch, a CPU without AVX512-VNNI, no compiler when compiling) the layers keep fb
 
 from __future__ import annotations
 
-import functools
 import os
 from pathlib import Path
 
@@ -79,17 +78,12 @@ def build(folder: str | os.PathLike) -> Path:
     if not supported:
         raise UserInputError(f"no int8 few-rows kernel: {why}")
     manifest = compiled_decoding.rows_kernel_manifest()
-    # OpenMP: the kernel's `at::parallel_for` shares a large product's blocks of columns between torch's threads (the
-    # process's one OpenMP runtime); without the flag it compiles to a loop on one thread. Greedy search's screen of
-    # a batch's rows (hundreds a step at first) at 128 rows: 1.09 ms on two threads without it as on one (1.06), 0.60
-    # with it (Intel Xeon). A compiler without OpenMP builds the same kernel on one thread.
-    build = functools.partial(
-        native.build_into, Path(folder) / FOLDER, SOURCE, LIBRARY, "int8 few-rows kernel", manifest
+    # OpenMP: a large product's blocks of columns shared between torch's threads. Greedy search's screen of a batch's
+    # rows (hundreds a step at first) at 128 rows: 1.09 ms on two threads without it as on one (1.06), 0.60 with it
+    # (Intel Xeon).
+    return native.build_into_with_openmp(
+        Path(folder) / FOLDER, SOURCE, LIBRARY, "int8 few-rows kernel", manifest, COMPILE_FLAGS
     )
-    try:
-        return build((*COMPILE_FLAGS, "-fopenmp"))
-    except UserInputError:
-        return build(COMPILE_FLAGS)
 
 
 def attach_weights(module: torch.nn.Module) -> None:

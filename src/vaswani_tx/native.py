@@ -38,6 +38,25 @@ def build_into(
     return target
 
 
+def build_into_with_openmp(
+    target: Path,
+    source: Path,
+    library: str,
+    what: str,
+    manifest: dict,
+    flags: tuple[str, ...] = (),
+    python_module: str | None = None,
+) -> Path:
+    """`build_into` with `-fopenmp`: torch's `at::parallel_for` in the library then shares its loops between torch's
+    threads (the process's one OpenMP runtime, torch's own libgomp); without the flag it compiles to a loop on one
+    thread. A compiler without OpenMP (clang without libomp) builds the library without it: the same results, on
+    one thread."""
+    try:
+        return build_into(target, source, library, what, manifest, (*flags, "-fopenmp"), python_module)
+    except UserInputError:
+        return build_into(target, source, library, what, manifest, flags, python_module)
+
+
 def compile_library(
     source: Path, library: Path, what: str, flags: tuple[str, ...] = (), python_module: str | None = None
 ) -> None:

@@ -18,12 +18,10 @@ product (`ScreenedArgmax`: the bound, the columns left, their float32 product, t
 
 from __future__ import annotations
 
-import functools
 import os
 from pathlib import Path
 
 from . import compiled_decoding, native
-from .errors import UserInputError
 
 # The library's names and its loading live with the compiled steps' (compiled_decoding.py travels with saved models).
 FOLDER, LIBRARY, MODULE = (
@@ -41,13 +39,7 @@ def build(folder: str | os.PathLike) -> Path:
 
     Raises:
         UserInputError: no C++ compiler could build it."""
-    # OpenMP: torch's `at::parallel_for` shares the batched copy of the keys and values between torch's threads
-    # (the process's one OpenMP runtime, torch's own libgomp). A compiler without OpenMP (clang without libomp) builds
-    # it without the flag: the same copies, on one thread.
-    build = functools.partial(
-        native.build_into, Path(folder) / FOLDER, SOURCE, LIBRARY, "beam-search library", manifest()
+    # OpenMP: the batched copy of the keys and values shared between torch's threads
+    return native.build_into_with_openmp(
+        Path(folder) / FOLDER, SOURCE, LIBRARY, "beam-search library", manifest(), python_module=MODULE
     )
-    try:
-        return build(("-fopenmp",), python_module=MODULE)
-    except UserInputError:
-        return build((), python_module=MODULE)

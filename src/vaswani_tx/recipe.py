@@ -172,14 +172,17 @@ def _sampler_state(trainer: VaswaniTrainer) -> dict[str, int]:
     ).state_dict()
 
 
+def accelerate_flag(name: str) -> bool:
+    """A yes/no setting `accelerate launch` passes its processes in the environment ("true"/"false")."""
+    return os.environ.get(name, "false").lower() == "true"
+
+
 def refuse_fsdp_sync_on_cpu(arguments) -> None:
     """An accelerate FSDP config with `fsdp_sync_module_states` (the repository's fsdp-8gpu.yaml) on the CPU, refused
     before any work: its parameters are initialised on an accelerator, and accelerate 1.16 raises a RuntimeError at
     the Trainer's start (1.15: "no available devices found"), after the tokenizer and data are made. Off, accelerate
     runs the processes as DDP there (`train` says so)."""
-    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() != "true":
-        return
-    if os.environ.get("FSDP_SYNC_MODULE_STATES", "false").lower() != "true":
+    if not accelerate_flag("ACCELERATE_USE_FSDP") or not accelerate_flag("FSDP_SYNC_MODULE_STATES"):
         return
     if arguments.use_cpu or not torch.accelerator.is_available():
         raise UserInputError(
@@ -298,7 +301,7 @@ def _train(
     )
     if world > 1:  # which of accelerate's set-ups shares the work (FSDP: parameters and optimizer state sharded)
         logger.info("distributed: %s over %s", "FSDP" if trainer.is_fsdp_enabled else "DDP", arguments.device.type)
-    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true" and not trainer.is_fsdp_enabled:
+    if accelerate_flag("ACCELERATE_USE_FSDP") and not trainer.is_fsdp_enabled:
         # accelerate turns FSDP on for GPUs and other accelerators only; on the CPU it runs plain DDP
         logger.warning(
             "the accelerate config asks for FSDP, but accelerate enables FSDP on GPUs and other accelerators only: "
