@@ -81,9 +81,7 @@ def build(folder: str | os.PathLike) -> Path:
     # OpenMP: a large product's blocks of columns shared between torch's threads. Greedy search's screen of a batch's
     # rows (hundreds a step at first) at 128 rows: 1.09 ms on two threads without it as on one (1.06), 0.60 with it
     # (Intel Xeon).
-    return native.build_into_with_openmp(
-        Path(folder) / FOLDER, SOURCE, LIBRARY, "int8 few-rows kernel", manifest, COMPILE_FLAGS
-    )
+    return native.build_into(Path(folder) / FOLDER, SOURCE, LIBRARY, "int8 few-rows kernel", manifest, COMPILE_FLAGS)
 
 
 def attach_weights(module: torch.nn.Module) -> None:

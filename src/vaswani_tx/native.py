@@ -30,31 +30,19 @@ def build_into(
     python_module: str | None = None,
 ) -> Path:
     """Compile `source` into `target`/`library` (the folder replaced whole: `compile_library`), beside a manifest of
-    what it was built for (`manifest`) and the library's own sha256; returns `target`."""
+    what it was built for (`manifest`) and the library's own sha256; returns `target`.
+
+    With `-fopenmp`, so that torch's `at::parallel_for` in the library shares its loops between torch's threads (the
+    process's one OpenMP runtime, torch's own libgomp); without the flag it compiles to a loop on one thread. A
+    compiler without OpenMP (clang without libomp) builds the library without it: the same results, on one thread."""
     with atomic_folder(target) as out:
-        compile_library(source, out / library, what, flags, python_module)
+        try:
+            compile_library(source, out / library, what, (*flags, "-fopenmp"), python_module)
+        except UserInputError:
+            compile_library(source, out / library, what, flags, python_module)
         built = {**manifest, "library": file_sha256(out / library)}
         (out / MANIFEST).write_text(json.dumps(built, indent=1) + "\n", encoding="utf-8")
     return target
-
-
-def build_into_with_openmp(
-    target: Path,
-    source: Path,
-    library: str,
-    what: str,
-    manifest: dict,
-    flags: tuple[str, ...] = (),
-    python_module: str | None = None,
-) -> Path:
-    """`build_into` with `-fopenmp`: torch's `at::parallel_for` in the library then shares its loops between torch's
-    threads (the process's one OpenMP runtime, torch's own libgomp); without the flag it compiles to a loop on one
-    thread. A compiler without OpenMP (clang without libomp) builds the library without it: the same results, on
-    one thread."""
-    try:
-        return build_into(target, source, library, what, manifest, (*flags, "-fopenmp"), python_module)
-    except UserInputError:
-        return build_into(target, source, library, what, manifest, flags, python_module)
 
 
 def compile_library(

@@ -40,6 +40,6 @@ def build(folder: str | os.PathLike) -> Path:
     Raises:
         UserInputError: no C++ compiler could build it."""
     # OpenMP: the batched copy of the keys and values shared between torch's threads
-    return native.build_into_with_openmp(
+    return native.build_into(
         Path(folder) / FOLDER, SOURCE, LIBRARY, "beam-search library", manifest(), python_module=MODULE
     )
