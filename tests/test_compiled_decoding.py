@@ -23,7 +23,7 @@ import torch
 from transformers import LogitsProcessorList
 
 from test_fast_decoding import EndsAt, EndsAtPerSource, ends, eos_prone_model
-from test_modeling import batch
+from test_modeling import batch, tiny_model
 from vaswani_tx import compile_step, compiled_decoding, fast_decoding, int8_rows, one_source_beams
 from vaswani_tx.cli import main
 from vaswani_tx.compile_step import compile_decoder_step
@@ -104,7 +104,7 @@ def test_compile_builds_the_beam_search_library_and_from_pretrained_loads_it(com
     assert (compiled_folder / one_source_beams.FOLDER / one_source_beams.LIBRARY).is_file()
     code = """if True:
         import sys, torch
-        from test_modeling import batch
+        from test_modeling import batch, tiny_model
         from vaswani_tx import fast_decoding
         from vaswani_tx.modeling_vaswani import VaswaniForConditionalGeneration
         model = VaswaniForConditionalGeneration.from_pretrained(sys.argv[1])
@@ -246,10 +246,21 @@ def few_rows_calls(monkeypatch):
     return calls
 
 
-def test_calls_of_a_few_rows_decode_through_the_few_rows_step(compiled_folder, few_rows_calls):
+@pytest.fixture(params=["library", "compiled"])
+def few_rows_work(request, monkeypatch):
+    """Who does the float32 few-rows step's work: the beam-search library's `decoder_rows` (`RowsDecoder`, where the
+    folder's library loaded, as `vaswani-tx compile` builds it) or the compiled step itself (the library set aside)."""
+    if request.param == "compiled":
+        monkeypatch.setattr(compiled_decoding.RowsDecoder, "of", classmethod(lambda cls, model: None))
+    return request.param
+
+
+def test_calls_of_a_few_rows_decode_through_the_few_rows_step(compiled_folder, few_rows_calls, few_rows_work):
     """`vaswani-tx compile` writes the few-rows step (`compiled-few`: its own copy of the weights packed for Inductor's
     kernels, in a safetensors file beside a package that holds none), which decodes calls of up to `FEW_ROWS_MAX`
-    rows (sources x beams) and gives the eager ids; calls of more rows go through the other step."""
+    rows (sources x beams) and gives the eager ids; calls of more rows go through the other step. Where the
+    beam-search library loaded, the library's step does its work on the model's own weights (`RowsDecoder`), and its
+    copy of the weights is not loaded."""
     few = compiled_folder / compiled_decoding.FEW_ROWS_FOLDER
     manifest = json.loads((few / MANIFEST).read_text())
     assert (
@@ -261,6 +272,85 @@ def test_calls_of_a_few_rows_decode_through_the_few_rows_step(compiled_folder, f
     assert "few_rows" not in model._compiled_steps  # loaded at the first call that needs it
     cases = [((7,), 1), ((7,), 4), ((5, 3), 3), ((6, 4, 2), 1), ((7, 4, 6, 2), 2), ((7, 4, 6, 2), 3), ((7,) * 9, 1)]
     assert_few_rows_decode_there(model, eager, cases, compiled_decoding.FEW_ROWS_MAX, few_rows_calls)
+    step = model._compiled_steps["few_rows"]
+    assert (step.rows_decoder is not None) == (few_rows_work == "library") and (step.own is None) == (
+        step.rows_decoder is not None
+    )
+
+
+def step_inputs(model, groups: int, rows: int, written: int, source: int, seed: int) -> tuple:
+    """A few-rows step's inputs (`DecoderStep`'s): random slots with `written` positions so far and a slot for this one,
+    random encoder-decoder keys and values, the later sources' last positions padding."""
+    config, generator = model.config, torch.Generator().manual_seed(seed)
+    layers, heads = config.num_decoder_layers, config.num_heads
+
+    def random(*shape):
+        return torch.randn(*shape, generator=generator)
+
+    tokens = torch.randint(4, config.vocab_size, (groups, rows), generator=generator)
+    self_keys = tuple(random(written + 1, groups, rows, heads, config.d_k) for _ in range(layers))
+    self_values = tuple(random(written + 1, groups, rows, heads, config.d_v) for _ in range(layers))
+    cross_keys = tuple(random(groups, heads, source, config.d_k) for _ in range(layers))
+    cross_values = tuple(random(groups, heads, source, config.d_v) for _ in range(layers))
+    mask = torch.ones(groups, source, dtype=torch.long)
+    for g in range(1, groups):
+        mask[g, source - g :] = 0
+    return tokens, self_keys, self_values, cross_keys, cross_values, random(groups, source, config.d_model), mask
+
+
+def test_the_librarys_decoder_step_is_the_compiled_few_rows_steps_function(compiled_folder, monkeypatch):
+    """The library's step (`RowsDecoder`) and the compiled few-rows step, given the same inputs, give the same outputs
+    and write the same keys and values into the slot of this position, to float32 rounding: one to eight rows, of one
+    source or several with padding, at the first position and later ones."""
+    library = VaswaniForConditionalGeneration.from_pretrained(compiled_folder)
+    with monkeypatch.context() as patch:
+        patch.setattr(compiled_decoding.RowsDecoder, "of", classmethod(lambda cls, model: None))
+        compiled = VaswaniForConditionalGeneration.from_pretrained(compiled_folder)
+        reference = compiled_decoding.step_for_rows(compiled, 4)
+    ours = compiled_decoding.step_for_rows(library, 4)
+    assert ours.rows_decoder is not None and reference.rows_decoder is None
+    for seed, (groups, rows, written, source) in enumerate(
+        [(1, 1, 0, 7), (1, 4, 3, 9), (2, 3, 5, 6), (1, 8, 2, 20), (4, 2, 1, 5), (1, 6, 30, 33)]
+    ):
+        inputs = step_inputs(library, groups, rows, written, source, seed)
+        copies = [tuple(tuple(t.clone() for t in part) if isinstance(part, tuple) else part for part in inputs)
+                  for _ in range(2)]  # fmt: skip
+        with torch.inference_mode():
+            got, expected = ours(*copies[0]), reference(*copies[1])
+        assert got.shape == (groups * rows, library.config.d_model)
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+        for mine, theirs in zip(copies[0][1] + copies[0][2], copies[1][1] + copies[1][2]):  # the slots written
+            torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-5)
+
+
+def test_the_librarys_decoder_step_is_the_eager_steps_for_a_converted_models_biases(compiled_folder):
+    """A converted model's attention biases (Marian, fairseq: `attention_bias`) and unscaled embeddings: the library's
+    step gives the eager step's outputs (`DecoderStep` run by the model's own modules)."""
+    VaswaniForConditionalGeneration.from_pretrained(compiled_folder)  # (loads the folder's library)
+    model = tiny_model(seed=3, attention_bias=True, scale_embedding=False)
+    decoder = compiled_decoding.RowsDecoder.of(model)
+    assert decoder is not None
+    for seed, (groups, rows, written, source) in enumerate([(1, 4, 2, 7), (3, 2, 0, 5)]):
+        inputs = step_inputs(model, groups, rows, written, source, seed)
+        copies = [tuple(tuple(t.clone() for t in part) if isinstance(part, tuple) else part for part in inputs)
+                  for _ in range(2)]  # fmt: skip
+        with torch.inference_mode():
+            got, expected = decoder(*copies[0]), compile_step.DecoderStep(model)(*copies[1])
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_the_librarys_decoder_step_takes_relu_models_only(compiled_folder):
+    """Another activation than the paper's ReLU (a converted OPUS-MT model's swish) keeps the compiled step; so does a
+    model whose weights are not plain float32 tensors on the CPU."""
+    model = VaswaniForConditionalGeneration.from_pretrained(compiled_folder)
+    assert compiled_decoding.RowsDecoder.of(model) is not None
+    model.config.activation_function = "swish"
+    assert compiled_decoding.RowsDecoder.of(model) is None
+    model.config.activation_function = "relu"
+    model.model.decoder.layers[0].feed_forward.w_1.weight.data = (
+        model.model.decoder.layers[0].feed_forward.w_1.weight.data.t().contiguous().t()
+    )
+    assert compiled_decoding.RowsDecoder.of(model) is None
 
 
 @pytest.mark.parametrize("settings", [dict(num_beams=1), dict(num_beams=4)], ids=["greedy", "beam"])
@@ -546,6 +636,8 @@ def test_the_few_rows_step_serves_only_the_weights_it_was_compiled_from(
         assert torch.equal(other.generate(**kwargs), changed.generate(**kwargs))
     assert few_rows_calls and not any(few_rows_calls) and len(checks) == 1
 
+    # (the library's step reads the model's own weights, not the copy: set aside for the copy's cases)
+    monkeypatch.setattr(compiled_decoding.RowsDecoder, "of", classmethod(lambda cls, model: None))
     folder = copy_of(compiled_folder, tmp_path)
     weights = folder / compiled_decoding.FEW_ROWS_FOLDER / compiled_decoding.FEW_ROWS_WEIGHTS
     weights.write_bytes(weights.read_bytes()[:1000])

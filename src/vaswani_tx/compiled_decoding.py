@@ -322,6 +322,61 @@ def int8_operator() -> threading.local:
 # --- loading -----------------------------------------------------------------------------------------------------
 
 
+class RowsDecoder:
+    """The float32 few-rows step's work in one call of the beam-search library's `decoder_rows` (one_source_beams.cpp),
+    on the model's own weights: the same function as the compiled few-rows step (`DecoderStep`), whose 18 products a
+    step (the main job's model) read the weights at 16-18 GB/s on an Intel Xeon where one core reads 25-26 (the
+    library's products read each block of W once for all the rows). Where it serves, the compiled step's packed copy
+    of the weights is not loaded and the model's pages are kept (`release_replaced`)."""
+
+    def __init__(self, library, model: nn.Module):
+        decoder = model.get_decoder()
+        self.library, embeddings = library, decoder.embeddings
+        self.heads, self.eps = int(model.config.num_heads), float(model.config.layer_norm_eps)
+        self.embedding, self.scale = embeddings.embed_tokens.weight.detach(), float(embeddings.embed_scale)
+        # every position's encoding (Section 3.5, or a converted model's learned ones), as the eager path adds them
+        like = self.embedding
+        self.positions = embeddings.embed_positions(int(model.config.max_position_embeddings), 0, like=like).detach()
+        self.positions = self.positions.reshape(-1, like.shape[1]).contiguous()
+        none = torch.empty(0)
+
+        def linear(module: nn.Linear) -> list[torch.Tensor]:
+            return [module.weight.detach(), none if module.bias is None else module.bias.detach()]
+
+        self.weights = []
+        for layer in decoder.layers:
+            self_attn, cross_attn, feed_forward = layer.self_attn, layer.cross_attn, layer.feed_forward
+            for module in (self_attn.q_proj, self_attn.k_proj, self_attn.v_proj, self_attn.out_proj):
+                self.weights += linear(module)
+            self.weights += linear(layer.self_attn_norm)
+            for module in (cross_attn.q_proj, cross_attn.out_proj, layer.cross_attn_norm, feed_forward.w_1):
+                self.weights += linear(module)
+            self.weights += [*linear(feed_forward.w_2), *linear(layer.feed_forward_norm)]
+
+    @classmethod
+    def of(cls, model: nn.Module) -> RowsDecoder | None:
+        """The library's step for this float32 model, or None: no library loaded (or one built before it had the
+        step), a CPU without AVX-512, another activation than ReLU, or weights that are not plain contiguous float32
+        tensors on the CPU (the compiled step then serves)."""
+        library = sys.modules.get(BEAMS_MODULE)
+        if library is None or not hasattr(library, "decoder_rows") or not library.decoder_rows_supported():
+            return None
+        if model.config.activation_function != "relu":
+            return None
+        decoder = cls(library, model)
+        plain = all(
+            t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous()
+            for t in (*decoder.weights, decoder.embedding)
+        )
+        return decoder if plain else None
+
+    def __call__(self, tokens, self_keys, self_values, cross_keys, cross_values, sources, source_mask) -> torch.Tensor:
+        return self.library.decoder_rows(
+            tokens, self.embedding, self.scale, self.positions, self.weights, list(self_keys), list(self_values),
+            list(cross_keys), list(cross_values), source_mask, self.heads, self.eps,
+        )  # fmt: skip
+
+
 class CompiledStep:
     """A loaded step and the tensors it reads (the model's own, and the positional table, kept alive here)."""
 
@@ -342,6 +397,7 @@ class CompiledStep:
         self.own_weights = self.few_rows is not None or manifest.get("part") == "encoder"
         self.embedding: torch.Tensor | None = None
         self.own: dict | None = None
+        self.rows_decoder: RowsDecoder | None = None  # the float32 few-rows step's, where the library has it
         self.released = False  # the model's plain pages of the tensors it copies, given back (fast_decoding.py)
         self.refused: tuple | None = None  # a copy's tensors found to be other weights than its own (`usable`)
         # (the model's `TensorPlaces`, `_versions`) when `usable` last said yes: while both are the same, so is its
@@ -356,6 +412,7 @@ class CompiledStep:
         it): the loaded library itself cannot be, so the copy loads its own from the same package and binds it to
         its own tensors at its first call (`usable`); where the package is gone by then, it decodes eagerly."""
         state = dict(self.__dict__, runner=None, own=None, embedding=None, released=False, refused=None, checked=None)
+        state["rows_decoder"] = None
         state["bound"] = tuple(
             (name, shape, None, dtype, device) for name, shape, _, dtype, device in self.bound or ()
         ) if not self.own_weights else None  # fmt: skip
@@ -365,7 +422,7 @@ class CompiledStep:
         # pickled before int8, bf16 and few-rows steps
         before = {"int8": None, "dtype": torch.float32, "few_rows": None, "released": False, "refused": None}
         before.update(checked=None, own_weights=state.get("few_rows") is not None)
-        self.__dict__.update({**before, "embedding": None, "own": None, **state})
+        self.__dict__.update({**before, "embedding": None, "own": None, "rows_decoder": None, **state})
         try:
             self.runner = _loader(self.package)
         except Exception as error:  # moved, deleted, or another machine's
@@ -374,6 +431,11 @@ class CompiledStep:
     def bind(self, model: nn.Module) -> None:
         """Point the library at the model's tensors (again, if they were replaced: `load_state_dict(assign=True)`).
         A few-rows step's are in its library: it keeps the embedding matrix and the tensors' versions."""
+        if self.few_rows is not None and self.dtype == torch.float32:
+            self.rows_decoder = RowsDecoder.of(model)
+            if self.rows_decoder is not None:  # the model's own weights serve: the step's copy is not loaded
+                self.own, self.bound, self.embedding = None, _versions(model), self.embedding_table(model)
+                return
         tensors = step_tensors(model)
         if self.own_weights and self.own is None:
             from safetensors import safe_open
@@ -439,6 +501,8 @@ class CompiledStep:
         return True
 
     def __call__(self, tokens, self_keys, self_values, cross_keys, cross_values, sources, source_mask) -> torch.Tensor:
+        if self.rows_decoder is not None:
+            return self.rows_decoder(tokens, self_keys, self_values, cross_keys, cross_values, sources, source_mask)
         if self.int8 is not None:
             int8_operator().layers = self.int8
         if self.few_rows is not None:

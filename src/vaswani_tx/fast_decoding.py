@@ -1122,8 +1122,9 @@ def release_replaced(model: nn.Module, packed: CompiledStep) -> None:
     """The plain pages of the model's tensors that a library with its own packed weights (a few-rows step, the
     compiled encoder) holds a copy of, given back once (`release_file_pages`), as `PackedLinears` does for its packed
     copies: read back from the file where another step or the eager path needs them again."""
-    if packed.released or not packed.manifest.get("weights_packed", True):
-        return  # (an encoder whose products read the model's own weights: `compile_step.encoder_configs`)
+    if packed.released or not packed.manifest.get("weights_packed", True) or packed.rows_decoder is not None:
+        return  # (an encoder whose products read the model's own weights, `compile_step.encoder_configs`; the
+        # few-rows step's `RowsDecoder`)
     tensors = step_tensors(model)
     for name, source in packed.manifest["constants"].items():
         if source == name:

@@ -677,6 +677,238 @@ at::Tensor screened_choice(const at::Tensor& rows, const std::optional<at::Tenso
   return chosen;
 }
 
+// ---- the decoder's step for a few rows (a sentence a call) ----------------------------------------------------------
+//
+// Why: at a sentence a call (beam search's 4-6 rows of one source, greedy's one) the decoder's step is its products'
+// reading of the weights from the cache hierarchy, 11 MB a step for the main job's model. Inductor's compiled few-rows
+// step (compile_step.py) read them at 16-18 GB/s on an Intel Xeon, where one core reads 25-26; each of its 18
+// products a step also sets up its blocking and a buffer. Here the whole step is one call: each product reads each
+// 64-byte block of the model's own W (N, K) once for all the rows (up to 8) and sums 16 lanes a (row, column) pair;
+// attention and the layer norms are loops over the step's few vectors. float32 throughout; the sums in another order
+// than the compiled step's or the eager path's (the same results to float32 rounding).
+#ifdef VASWANI_TX_AVX512
+// acc[r][c] += x[r, k:k+16] * W[c, k:k+16]; with `Masked`, the lanes beyond `mask` zero (K's last block).
+template <int R, int C, bool Masked>
+__attribute__((target("avx512f"))) inline void dot_step(__m512 (&acc)[R][C], const float* x, int64_t K, const float* w,
+                                                        int64_t k, __mmask16 mask) {
+  __m512 wv[C];
+  for (int c = 0; c < C; ++c) wv[c] = Masked ? _mm512_maskz_loadu_ps(mask, w + c * K + k) : _mm512_loadu_ps(w + c * K + k);
+  for (int r = 0; r < R; ++r) {
+    const __m512 xv = Masked ? _mm512_maskz_loadu_ps(mask, x + r * K + k) : _mm512_loadu_ps(x + r * K + k);
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_fmadd_ps(xv, wv[c], acc[r][c]);
+  }
+}
+
+// y[r, n] = act(sum_k x[r, k] W[n, k] + b[n]) for R rows and C columns of W at once.
+template <int R, int C>
+__attribute__((target("avx512f"))) void dot_block(const float* x, int64_t K, const float* w, float* y, int64_t ldy,
+                                                  const float* bias, bool relu) {
+  __m512 acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 16 <= K; k += 16) dot_step<R, C, false>(acc, x, K, w, k, 0xFFFF);
+  if (k < K) dot_step<R, C, true>(acc, x, K, w, k, static_cast<__mmask16>((1u << (K - k)) - 1));
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) {
+      float v = _mm512_reduce_add_ps(acc[r][c]);
+      if (bias != nullptr) v += bias[c];
+      y[r * ldy + c] = relu ? std::max(v, 0.0f) : v;
+    }
+}
+
+// R rows (R * C accumulators in registers, C columns of W a block) over all N columns.
+template <int R, int C>
+void dot_rows(const float* x, int64_t K, const float* w, int64_t N, float* y, const float* bias, bool relu) {
+  int64_t n = 0;
+  for (; n + C <= N; n += C) dot_block<R, C>(x, K, w + n * K, y + n, N, bias ? bias + n : nullptr, relu);
+  for (; n < N; ++n) dot_block<R, 1>(x, K, w + n * K, y + n, N, bias ? bias + n : nullptr, relu);
+}
+
+// y (M, N) = x (M, K) W^T + b for W (N, K) contiguous, ReLU'd with `relu`: up to 8 rows a pass over W.
+void rows_linear(const float* x, int64_t M, const at::Tensor& weight, const at::Tensor& bias, float* y,
+                 bool relu = false) {
+  const float* w = weight.data_ptr<float>();
+  const float* b = bias.numel() ? bias.data_ptr<float>() : nullptr;  // (empty: no bias)
+  const int64_t N = weight.size(0), K = weight.size(1);
+  for (int64_t m = 0; m < M;) {
+    const float* xs = x + m * K;
+    float* ys = y + m * N;
+    switch (std::min<int64_t>(M - m, 8)) {
+      case 8: dot_rows<8, 2>(xs, K, w, N, ys, b, relu); m += 8; break;
+      case 7: dot_rows<7, 2>(xs, K, w, N, ys, b, relu); m += 7; break;
+      case 6: dot_rows<6, 2>(xs, K, w, N, ys, b, relu); m += 6; break;
+      case 5: dot_rows<5, 3>(xs, K, w, N, ys, b, relu); m += 5; break;
+      case 4: dot_rows<4, 4>(xs, K, w, N, ys, b, relu); m += 4; break;
+      case 3: dot_rows<3, 4>(xs, K, w, N, ys, b, relu); m += 3; break;
+      case 2: dot_rows<2, 8>(xs, K, w, N, ys, b, relu); m += 2; break;
+      default: dot_rows<1, 8>(xs, K, w, N, ys, b, relu); m += 1; break;
+    }
+  }
+}
+
+__attribute__((target("avx512f"))) float dot(const float* a, const float* b, int64_t n) {
+  __m512 acc = _mm512_setzero_ps();
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
+  if (i < n) {
+    const auto mask = static_cast<__mmask16>((1u << (n - i)) - 1);
+    acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mask, a + i), _mm512_maskz_loadu_ps(mask, b + i), acc);
+  }
+  return _mm512_reduce_add_ps(acc);
+}
+
+__attribute__((target("avx512f"))) void add_scaled(float a, const float* x, float* y, int64_t n) {
+  const __m512 av = _mm512_set1_ps(a);
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(y + i, _mm512_fmadd_ps(av, _mm512_loadu_ps(x + i), _mm512_loadu_ps(y + i)));
+  for (; i < n; ++i) y[i] += a * x[i];
+}
+
+// Equation 1 for one query and head: out (d_v) = softmax(q . k_p / sqrt(d_k)) . v_p over `count` keys and values
+// `stride` floats apart, those with valid[p] == 0 left out (an encoder-decoder mask; nullptr: none).
+void attend(const float* q, const float* keys, const float* values, int64_t count, int64_t key_stride,
+            int64_t value_stride, int64_t d_k, int64_t d_v, float scaling, const int64_t* valid, float* scores,
+            float* out) {
+  float top = -std::numeric_limits<float>::infinity();
+  for (int64_t p = 0; p < count; ++p) {
+    scores[p] = (valid != nullptr && valid[p] == 0) ? -std::numeric_limits<float>::infinity()
+                                                    : dot(q, keys + p * key_stride, d_k) * scaling;
+    top = std::max(top, scores[p]);
+  }
+  float total = 0;
+  for (int64_t p = 0; p < count; ++p) total += (scores[p] = std::exp(scores[p] - top));
+  std::fill(out, out + d_v, 0.0f);
+  for (int64_t p = 0; p < count; ++p)
+    if (scores[p] != 0) add_scaled(scores[p] / total, values + p * value_stride, out, d_v);
+}
+
+// x = LayerNorm(x + sublayer) over each of M rows of D (Section 3.1's residual connection and normalization).
+void add_norm(float* x, const float* sublayer, int64_t M, int64_t D, const at::Tensor& gamma, const at::Tensor& beta,
+              float eps) {
+  const float* g = gamma.data_ptr<float>();
+  const float* b = beta.data_ptr<float>();
+  for (int64_t m = 0; m < M; ++m) {
+    float* row = x + m * D;
+    const float* add = sublayer + m * D;
+    float sum = 0;
+    for (int64_t d = 0; d < D; ++d) sum += (row[d] += add[d]);
+    const float mean = sum / D;
+    float squares = 0;
+    for (int64_t d = 0; d < D; ++d) squares += (row[d] - mean) * (row[d] - mean);
+    const float inv = 1.0f / std::sqrt(squares / D + eps);
+    for (int64_t d = 0; d < D; ++d) row[d] = (row[d] - mean) * inv * g[d] + b[d];
+  }
+}
+
+constexpr int64_t kLayerTensors = 22;  // see `decoder_rows`
+
+void check_rows_tensor(const at::Tensor& t, const char* what) {
+  TORCH_CHECK(t.scalar_type() == at::kFloat && t.device().is_cpu() && t.stride(-1) == 1,
+              "decoder_rows: ", what, " must be float32 on the CPU with unit stride in its last dimension");
+}
+#endif
+
+// The decoder's step for M = G * k rows (G sources, k rows each), `DecoderStep`'s function (compile_step.py): tokens
+// (G, k), this position's input of each row, embedded by `embedding` (V, D) times `scale` plus `positions` (rows, D)
+// at this position, P (the number of positions written so far); per layer 22 tensors: the self-attention's W^Q, W^K,
+// W^V, W^O and their biases (empty: none), its norm's weight and bias, the encoder-decoder attention's W^Q, W^O,
+// their biases and its norm's, W_1, b_1, W_2, b_2 and the last norm's; self_keys/self_values per layer
+// (P + 1, G, k, h, d), into whose slot P this position's are written; cross keys/values per layer (G, h, S, d); the
+// source mask (G, S), 0 at padding. Returns the decoder's output (M, D).
+at::Tensor decoder_rows(const at::Tensor& tokens, const at::Tensor& embedding, double scale, const at::Tensor& positions,
+                        const std::vector<at::Tensor>& weights,
+                        const std::vector<at::Tensor>& self_keys, const std::vector<at::Tensor>& self_values,
+                        const std::vector<at::Tensor>& cross_keys, const std::vector<at::Tensor>& cross_values,
+                        const at::Tensor& source_mask, int64_t heads, double eps) {
+#ifdef VASWANI_TX_AVX512
+  TORCH_CHECK(kAvx512, "decoder_rows: this CPU lacks AVX-512");
+  const int64_t layers = static_cast<int64_t>(self_keys.size());
+  TORCH_CHECK(static_cast<int64_t>(weights.size()) == layers * kLayerTensors && self_values.size() == self_keys.size() &&
+                  cross_keys.size() == self_keys.size() && cross_values.size() == self_keys.size(),
+              "decoder_rows: ", kLayerTensors, " weights, keys and values for each layer");
+  check_rows_tensor(embedding, "the embedding matrix");
+  check_rows_tensor(positions, "the positional encodings");
+  auto ids = tokens.to(at::kLong).contiguous();
+  const int64_t M = ids.numel(), D = embedding.size(1), V = embedding.size(0);
+  const int64_t P = self_keys[0].size(0) - 1;  // this step's position
+  TORCH_CHECK(P < positions.size(0) && positions.size(1) == D, "decoder_rows: no positional encoding for position ", P);
+  // Sections 3.4 and 3.5: the token's row of the shared matrix times sqrt(d_model), plus its position's encoding
+  auto x = at::empty({M, D}, embedding.options());
+  float* h = x.data_ptr<float>();
+  const float factor = static_cast<float>(scale);
+  const float* encoding = positions.data_ptr<float>() + P * positions.stride(0);
+  for (int64_t r = 0; r < M; ++r) {
+    const int64_t id = ids.data_ptr<int64_t>()[r];
+    TORCH_CHECK(id >= 0 && id < V, "decoder_rows: token id ", id, " is outside the vocabulary of ", V);
+    const float* row = embedding.data_ptr<float>() + id * embedding.stride(0);
+    for (int64_t d = 0; d < D; ++d) h[r * D + d] = row[d] * factor + encoding[d];
+  }
+  auto mask = source_mask.to(at::kLong).contiguous();
+  const int64_t G = mask.size(0), S = mask.size(1), k = M / G;
+  TORCH_CHECK(G * k == M, "decoder_rows: ", M, " rows are not ", G, " sources' rows");
+  const int64_t d_k = self_keys[0].size(-1), d_v = self_values[0].size(-1);
+  const float scaling = 1.0f / std::sqrt(static_cast<float>(d_k));
+  const int64_t F = weights[16].size(0);
+  std::vector<float> q(M * heads * d_k), attended(M * heads * d_v), out(M * D), inner(M * F),
+      scores(std::max<int64_t>(S, self_keys[0].size(0)));
+  std::vector<float> new_keys(M * heads * d_k), new_values(M * heads * d_v);
+  const int64_t* valid = mask.data_ptr<int64_t>();
+  for (int64_t l = 0; l < layers; ++l) {
+    const at::Tensor* t = weights.data() + l * kLayerTensors;
+    const at::Tensor &keys = self_keys[l], &values = self_values[l], &ck = cross_keys[l], &cv = cross_values[l];
+    for (const at::Tensor* tensor : {&keys, &values, &ck, &cv}) check_rows_tensor(*tensor, "the keys and values");
+    TORCH_CHECK(keys.dim() == 5 && keys.size(1) == G && keys.size(2) == k && ck.dim() == 4 && ck.size(0) == G &&
+                    ck.size(2) == S, "decoder_rows: keys of another shape than the rows' and sources'");
+    TORCH_CHECK(keys.size(0) == P + 1, "decoder_rows: the layers' keys hold different numbers of positions");
+    // Masked self-attention: this position's keys and values into slot P, then each row attends to positions 0..P
+    rows_linear(h, M, t[0], t[1], q.data());
+    rows_linear(h, M, t[2], t[3], new_keys.data());
+    rows_linear(h, M, t[4], t[5], new_values.data());
+    float* key_base = keys.data_ptr<float>();
+    float* value_base = values.data_ptr<float>();
+    for (int64_t r = 0; r < M; ++r)
+      for (int64_t a = 0; a < heads; ++a) {
+        const int64_t g = r / k, j = r % k;
+        float* key = key_base + g * keys.stride(1) + j * keys.stride(2) + a * keys.stride(3);
+        float* value = value_base + g * values.stride(1) + j * values.stride(2) + a * values.stride(3);
+        std::copy_n(new_keys.data() + (r * heads + a) * d_k, d_k, key + P * keys.stride(0));
+        std::copy_n(new_values.data() + (r * heads + a) * d_v, d_v, value + P * values.stride(0));
+        attend(q.data() + (r * heads + a) * d_k, key, value, P + 1, keys.stride(0), values.stride(0), d_k, d_v,
+               scaling, nullptr, scores.data(), attended.data() + (r * heads + a) * d_v);
+      }
+    rows_linear(attended.data(), M, t[6], t[7], out.data());
+    add_norm(h, out.data(), M, D, t[8], t[9], static_cast<float>(eps));
+    // Encoder-decoder attention: each row to its own source's S positions
+    rows_linear(h, M, t[10], t[11], q.data());
+    for (int64_t r = 0; r < M; ++r)
+      for (int64_t a = 0; a < heads; ++a) {
+        const int64_t g = r / k;
+        attend(q.data() + (r * heads + a) * d_k, ck.data_ptr<float>() + g * ck.stride(0) + a * ck.stride(1),
+               cv.data_ptr<float>() + g * cv.stride(0) + a * cv.stride(1), S, ck.stride(2), cv.stride(2), d_k, d_v,
+               scaling, valid + g * S, scores.data(), attended.data() + (r * heads + a) * d_v);
+      }
+    rows_linear(attended.data(), M, t[12], t[13], out.data());
+    add_norm(h, out.data(), M, D, t[14], t[15], static_cast<float>(eps));
+    // The position-wise feed-forward network (Equation 2)
+    rows_linear(h, M, t[16], t[17], inner.data(), true);
+    rows_linear(inner.data(), M, t[18], t[19], out.data());
+    add_norm(h, out.data(), M, D, t[20], t[21], static_cast<float>(eps));
+  }
+  return x;
+#else
+  TORCH_CHECK(false, "decoder_rows: built for a CPU without AVX-512");
+#endif
+}
+
+bool decoder_rows_supported() {
+#ifdef VASWANI_TX_AVX512
+  return kAvx512;
+#else
+  return false;
+#endif
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -691,4 +923,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("slot_views", &slot_views);
   m.def("screened_logits", &screened_logits);
   m.def("screened_choice", &screened_choice);
+  m.def("decoder_rows", &decoder_rows);
+  m.def("decoder_rows_supported", &decoder_rows_supported);
 }
