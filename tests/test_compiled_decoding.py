@@ -325,9 +325,10 @@ def test_the_librarys_decoder_step_is_the_compiled_few_rows_steps_function(compi
 
 def test_the_librarys_decoder_step_is_the_eager_steps_for_a_converted_models_biases(compiled_folder):
     """A converted model's attention biases (Marian, fairseq: `attention_bias`) and unscaled embeddings: the library's
-    step gives the eager step's outputs (`DecoderStep` run by the model's own modules)."""
+    step gives the eager step's outputs (`DecoderStep` run by the model's own modules). Its feed-forward products are
+    large enough (1,024 x 64) for their columns to be shared between two threads: the same sums as on one."""
     VaswaniForConditionalGeneration.from_pretrained(compiled_folder)  # (loads the folder's library)
-    model = tiny_model(seed=3, attention_bias=True, scale_embedding=False)
+    model = tiny_model(seed=3, attention_bias=True, scale_embedding=False, d_model=64, d_ff=1024, num_heads=4)
     decoder = compiled_decoding.RowsDecoder.of(model)
     assert decoder is not None
     for seed, (groups, rows, written, source) in enumerate([(1, 4, 2, 7), (3, 2, 0, 5)]):
@@ -337,6 +338,14 @@ def test_the_librarys_decoder_step_is_the_eager_steps_for_a_converted_models_bia
         with torch.inference_mode():
             got, expected = decoder(*copies[0]), compile_step.DecoderStep(model)(*copies[1])
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+        threads = torch.get_num_threads()
+        try:  # the products' columns shared between threads: the same sums on one thread and on two
+            for count in (1, 2):
+                torch.set_num_threads(count)
+                with torch.inference_mode():
+                    assert torch.equal(decoder(*step_inputs(model, groups, rows, written, source, seed)), got)
+        finally:
+            torch.set_num_threads(threads)
 
 
 def test_the_librarys_decoder_step_takes_relu_models_only(compiled_folder):

@@ -14,6 +14,8 @@ its Python loop (one logged line), with the same results.
 The library also holds the other per-step work of a sentence a call that was many small tensor operations in Python:
 the compiled step's slot views and their reordering (`PositionSlots`), and greedy search's int8 screen after the int8
 product (`ScreenedArgmax`: the bound, the columns left, their float32 product, the argmax).
+And it holds the float32 few-rows decoder step (`decoder_rows`, which compiled_decoding.py's `RowsDecoder` calls): a
+sentence a call's whole step in one call, its products reading the model's own weights once for all the rows.
 """
 
 from __future__ import annotations

@@ -717,34 +717,43 @@ __attribute__((target("avx512f"))) void dot_block(const float* x, int64_t K, con
     }
 }
 
-// R rows (R * C accumulators in registers, C columns of W a block) over all N columns.
+// R rows (R * C accumulators in registers, C columns of W a block) over columns n0 .. n1 - 1 of N.
 template <int R, int C>
-void dot_rows(const float* x, int64_t K, const float* w, int64_t N, float* y, const float* bias, bool relu) {
-  int64_t n = 0;
-  for (; n + C <= N; n += C) dot_block<R, C>(x, K, w + n * K, y + n, N, bias ? bias + n : nullptr, relu);
-  for (; n < N; ++n) dot_block<R, 1>(x, K, w + n * K, y + n, N, bias ? bias + n : nullptr, relu);
+void dot_rows(const float* x, int64_t K, const float* w, int64_t N, int64_t n0, int64_t n1, float* y,
+              const float* bias, bool relu) {
+  int64_t n = n0;
+  for (; n + C <= n1; n += C) dot_block<R, C>(x, K, w + n * K, y + n, N, bias ? bias + n : nullptr, relu);
+  for (; n < n1; ++n) dot_block<R, 1>(x, K, w + n * K, y + n, N, bias ? bias + n : nullptr, relu);
 }
 
-// y (M, N) = x (M, K) W^T + b for W (N, K) contiguous, ReLU'd with `relu`: up to 8 rows a pass over W.
+// Columns a thread takes at least: 64 KB of W, some 3 us of reading, against the few us of sharing the work (a
+// product of the main job's model is 256 KB-1 MB). Each column is the same sum whichever thread computes it.
+constexpr int64_t kThreadBytes = 1 << 16;
+
+// y (M, N) = x (M, K) W^T + b for W (N, K) contiguous, ReLU'd with `relu`: up to 8 rows a pass over W, its columns
+// shared between torch's threads.
 void rows_linear(const float* x, int64_t M, const at::Tensor& weight, const at::Tensor& bias, float* y,
                  bool relu = false) {
   const float* w = weight.data_ptr<float>();
   const float* b = bias.numel() ? bias.data_ptr<float>() : nullptr;  // (empty: no bias)
   const int64_t N = weight.size(0), K = weight.size(1);
-  for (int64_t m = 0; m < M;) {
-    const float* xs = x + m * K;
-    float* ys = y + m * N;
-    switch (std::min<int64_t>(M - m, 8)) {
-      case 8: dot_rows<8, 2>(xs, K, w, N, ys, b, relu); m += 8; break;
-      case 7: dot_rows<7, 2>(xs, K, w, N, ys, b, relu); m += 7; break;
-      case 6: dot_rows<6, 2>(xs, K, w, N, ys, b, relu); m += 6; break;
-      case 5: dot_rows<5, 3>(xs, K, w, N, ys, b, relu); m += 5; break;
-      case 4: dot_rows<4, 4>(xs, K, w, N, ys, b, relu); m += 4; break;
-      case 3: dot_rows<3, 4>(xs, K, w, N, ys, b, relu); m += 3; break;
-      case 2: dot_rows<2, 8>(xs, K, w, N, ys, b, relu); m += 2; break;
-      default: dot_rows<1, 8>(xs, K, w, N, ys, b, relu); m += 1; break;
+  const int64_t grain = std::max<int64_t>(16, kThreadBytes / (K * static_cast<int64_t>(sizeof(float))));
+  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
+    for (int64_t m = 0; m < M;) {
+      const float* xs = x + m * K;
+      float* ys = y + m * N;
+      switch (std::min<int64_t>(M - m, 8)) {
+        case 8: dot_rows<8, 2>(xs, K, w, N, n0, n1, ys, b, relu); m += 8; break;
+        case 7: dot_rows<7, 2>(xs, K, w, N, n0, n1, ys, b, relu); m += 7; break;
+        case 6: dot_rows<6, 2>(xs, K, w, N, n0, n1, ys, b, relu); m += 6; break;
+        case 5: dot_rows<5, 3>(xs, K, w, N, n0, n1, ys, b, relu); m += 5; break;
+        case 4: dot_rows<4, 4>(xs, K, w, N, n0, n1, ys, b, relu); m += 4; break;
+        case 3: dot_rows<3, 4>(xs, K, w, N, n0, n1, ys, b, relu); m += 3; break;
+        case 2: dot_rows<2, 8>(xs, K, w, N, n0, n1, ys, b, relu); m += 2; break;
+        default: dot_rows<1, 8>(xs, K, w, N, n0, n1, ys, b, relu); m += 1; break;
+      }
     }
-  }
+  });
 }
 
 __attribute__((target("avx512f"))) float dot(const float* a, const float* b, int64_t n) {
