@@ -356,12 +356,12 @@ class RowsDecoder:
     @classmethod
     def of(cls, model: nn.Module) -> RowsDecoder | None:
         """The library's step for this float32 model, or None: no library loaded (or one built before it had the
-        step), a CPU without AVX-512, another activation than ReLU, or weights that are not plain contiguous float32
+        step), a CPU without AVX-512, another activation than ReLU, a decoder of no layers, or weights that are not plain contiguous float32
         tensors on the CPU (the compiled step then serves)."""
         library = sys.modules.get(BEAMS_MODULE)
         if library is None or not hasattr(library, "decoder_rows") or not library.decoder_rows_supported():
             return None
-        if model.config.activation_function != "relu":
+        if model.config.activation_function != "relu" or not len(model.get_decoder().layers):
             return None
         decoder = cls(library, model)
         plain = all(

@@ -833,6 +833,7 @@ at::Tensor decoder_rows(const at::Tensor& tokens, const at::Tensor& embedding, d
 #ifdef VASWANI_TX_AVX512
   TORCH_CHECK(kAvx512, "decoder_rows: this CPU lacks AVX-512");
   const int64_t layers = static_cast<int64_t>(self_keys.size());
+  TORCH_CHECK(layers > 0 && source_mask.dim() == 2 && source_mask.size(0) > 0, "decoder_rows: no layers or no sources");
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == layers * kLayerTensors && self_values.size() == self_keys.size() &&
                   cross_keys.size() == self_keys.size() && cross_values.size() == self_keys.size(),
               "decoder_rows: ", kLayerTensors, " weights, keys and values for each layer");
