@@ -104,7 +104,7 @@ def test_compile_builds_the_beam_search_library_and_from_pretrained_loads_it(com
     assert (compiled_folder / one_source_beams.FOLDER / one_source_beams.LIBRARY).is_file()
     code = """if True:
         import sys, torch
-        from test_modeling import batch, tiny_model
+        from test_modeling import batch
         from vaswani_tx import fast_decoding
         from vaswani_tx.modeling_vaswani import VaswaniForConditionalGeneration
         model = VaswaniForConditionalGeneration.from_pretrained(sys.argv[1])
@@ -246,12 +246,17 @@ def few_rows_calls(monkeypatch):
     return calls
 
 
+def without_rows_decoder(patch) -> None:
+    """The library's few-rows step set aside (`patch`: a monkeypatch): the compiled few-rows step does its work."""
+    patch.setattr(compiled_decoding.RowsDecoder, "of", classmethod(lambda cls, model: None))
+
+
 @pytest.fixture(params=["library", "compiled"])
 def few_rows_work(request, monkeypatch):
     """Who does the float32 few-rows step's work: the beam-search library's `decoder_rows` (`RowsDecoder`, where the
     folder's library loaded, as `vaswani-tx compile` builds it) or the compiled step itself (the library set aside)."""
     if request.param == "compiled":
-        monkeypatch.setattr(compiled_decoding.RowsDecoder, "of", classmethod(lambda cls, model: None))
+        without_rows_decoder(monkeypatch)
     return request.param
 
 
@@ -304,7 +309,7 @@ def test_the_librarys_decoder_step_is_the_compiled_few_rows_steps_function(compi
     source or several with padding, at the first position and later ones."""
     library = VaswaniForConditionalGeneration.from_pretrained(compiled_folder)
     with monkeypatch.context() as patch:
-        patch.setattr(compiled_decoding.RowsDecoder, "of", classmethod(lambda cls, model: None))
+        without_rows_decoder(patch)
         compiled = VaswaniForConditionalGeneration.from_pretrained(compiled_folder)
         reference = compiled_decoding.step_for_rows(compiled, 4)
     ours = compiled_decoding.step_for_rows(library, 4)
@@ -646,7 +651,7 @@ def test_the_few_rows_step_serves_only_the_weights_it_was_compiled_from(
     assert few_rows_calls and not any(few_rows_calls) and len(checks) == 1
 
     # (the library's step reads the model's own weights, not the copy: set aside for the copy's cases)
-    monkeypatch.setattr(compiled_decoding.RowsDecoder, "of", classmethod(lambda cls, model: None))
+    without_rows_decoder(monkeypatch)
     folder = copy_of(compiled_folder, tmp_path)
     weights = folder / compiled_decoding.FEW_ROWS_FOLDER / compiled_decoding.FEW_ROWS_WEIGHTS
     weights.write_bytes(weights.read_bytes()[:1000])

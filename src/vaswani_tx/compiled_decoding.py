@@ -334,30 +334,30 @@ class RowsDecoder:
         self.library, embeddings = library, decoder.embeddings
         self.heads, self.eps = int(model.config.num_heads), float(model.config.layer_norm_eps)
         self.embedding, self.scale = embeddings.embed_tokens.weight.detach(), float(embeddings.embed_scale)
-        # every position's encoding (Section 3.5, or a converted model's learned ones), as the eager path adds them
-        like = self.embedding
-        self.positions = embeddings.embed_positions(int(model.config.max_position_embeddings), 0, like=like).detach()
-        self.positions = self.positions.reshape(-1, like.shape[1]).contiguous()
+        # every position's encoding (Section 3.5, or a converted model's learned ones), (positions, D), as the eager
+        # path adds them
+        positions = int(model.config.max_position_embeddings)
+        self.positions = embeddings.embed_positions(positions, 0, like=self.embedding).detach()
         none = torch.empty(0)
 
-        def linear(module: nn.Linear) -> list[torch.Tensor]:
+        def weight_and_bias(module: nn.Module) -> list[torch.Tensor]:  # (a linear layer's or a LayerNorm's)
             return [module.weight.detach(), none if module.bias is None else module.bias.detach()]
 
         self.weights = []
         for layer in decoder.layers:
             self_attn, cross_attn, feed_forward = layer.self_attn, layer.cross_attn, layer.feed_forward
-            for module in (self_attn.q_proj, self_attn.k_proj, self_attn.v_proj, self_attn.out_proj):
-                self.weights += linear(module)
-            self.weights += linear(layer.self_attn_norm)
-            for module in (cross_attn.q_proj, cross_attn.out_proj, layer.cross_attn_norm, feed_forward.w_1):
-                self.weights += linear(module)
-            self.weights += [*linear(feed_forward.w_2), *linear(layer.feed_forward_norm)]
+            for module in (
+                *(self_attn.q_proj, self_attn.k_proj, self_attn.v_proj, self_attn.out_proj, layer.self_attn_norm),
+                *(cross_attn.q_proj, cross_attn.out_proj, layer.cross_attn_norm),
+                *(feed_forward.w_1, feed_forward.w_2, layer.feed_forward_norm),
+            ):
+                self.weights += weight_and_bias(module)
 
     @classmethod
     def of(cls, model: nn.Module) -> RowsDecoder | None:
         """The library's step for this float32 model, or None: no library loaded (or one built before it had the
-        step), a CPU without AVX-512, another activation than ReLU, a decoder of no layers, or weights that are not plain contiguous float32
-        tensors on the CPU (the compiled step then serves)."""
+        step), a CPU without AVX-512, another activation than ReLU, a decoder of no layers, or weights that are not
+        plain contiguous float32 tensors on the CPU (the compiled step then serves)."""
         library = sys.modules.get(BEAMS_MODULE)
         if library is None or not hasattr(library, "decoder_rows") or not library.decoder_rows_supported():
             return None
@@ -372,9 +372,19 @@ class RowsDecoder:
 
     def __call__(self, tokens, self_keys, self_values, cross_keys, cross_values, sources, source_mask) -> torch.Tensor:
         return self.library.decoder_rows(
-            tokens, self.embedding, self.scale, self.positions, self.weights, list(self_keys), list(self_values),
-            list(cross_keys), list(cross_values), source_mask, self.heads, self.eps,
-        )  # fmt: skip
+            tokens,
+            self.embedding,
+            self.scale,
+            self.positions,
+            self.weights,
+            self_keys,
+            self_values,
+            cross_keys,
+            cross_values,
+            source_mask,
+            self.heads,
+            self.eps,
+        )  # (the library takes the tuples of tensors as they come)
 
 
 class CompiledStep:
