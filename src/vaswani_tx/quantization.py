@@ -125,7 +125,10 @@ class Int8Linear(DynamicQuantizedLinear):
     Where the model's folder has the int8 few-rows kernel (int8_rows.py), products of up to
     `int8_rows.rows_limit` rows (32, 16 for a large layer) are the kernel's, on the same int8 weights: one
     activation scale a row, not one a call, so those too agree with the others to within the quantization's own
-    error."""
+    error.
+
+    A product of more than `SCALE_ROWS` rows is one call a block of that many rows, each block's activations with
+    their own scale (the kernels take one a call), so that rows far apart in a batch do not share one."""
 
     _kernel = torch.ops.quantized.linear_dynamic.default
     # Where oneDNN overtakes fbgemm on one thread (bench_int8_kernels.py, docs/speed.md): at the base shape's layers
@@ -142,13 +145,26 @@ class Int8Linear(DynamicQuantizedLinear):
     rows_always = False
 
     rows_kernel_elements = 0  # inputs of up to this many elements take the kernel (`int8_rows.attach_weights`)
+    # fbgemm's and oneDNN's kernels quantize a call's activations with one scale, set by its largest |x|: over a
+    # batch's encoder input (thousands of rows) one sentence's outlier then coarsens every other's rounding, and a
+    # sentence's translation depends on the batch it came in. So a product of more rows takes one call a block of
+    # SCALE_ROWS rows, each with its own scale (CTranslate2 scales each row): 1,024 rows cost no measurable time
+    # where smaller blocks did (Multi30k val in batches of 4,096 source tokens, beam 4, one thread: 256 rows
+    # +13%), docs/speed.md.
+    SCALE_ROWS = 1024
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if "rows_packed" in self._buffers and (x.numel() <= self.rows_kernel_elements or self.rows_always):
             return int8_rows.linear(self, x)
-        if self.many_rows_params is not None and x.numel() >= self.many_rows * self.in_features:
-            return self._kernel(x, self.many_rows_params, True)
-        return self._kernel(x, self._packed_params._packed_params, True)
+        many = self.many_rows_params is not None and x.numel() >= self.many_rows * self.in_features
+        packing = self.many_rows_params if many else self._packed_params._packed_params
+        if x.numel() <= self.SCALE_ROWS * self.in_features:
+            return self._kernel(x, packing, True)
+        rows = x.reshape(-1, self.in_features)
+        out = rows.new_empty(rows.shape[0], self.out_features)
+        for start in range(0, rows.shape[0], self.SCALE_ROWS):
+            out[start : start + self.SCALE_ROWS] = self._kernel(rows[start : start + self.SCALE_ROWS], packing, True)
+        return out.view(*x.shape[:-1], self.out_features)
 
 
 def use_rows_kernel(model: nn.Module) -> None:
