@@ -148,9 +148,9 @@ class Int8Linear(DynamicQuantizedLinear):
     # fbgemm's and oneDNN's kernels quantize a call's activations with one scale, set by its largest |x|: over a
     # batch's encoder input (thousands of rows) one sentence's outlier then coarsens every other's rounding, and a
     # sentence's translation depends on the batch it came in. So a product of more rows takes one call a block of
-    # SCALE_ROWS rows, each with its own scale (CTranslate2 scales each row): 1,024 rows cost no measurable time
-    # where smaller blocks did (Multi30k val in batches of 4,096 source tokens, beam 4, one thread: 256 rows
-    # +13%), docs/speed.md.
+    # SCALE_ROWS rows, each with its own scale (CTranslate2 scales each row). Blocks of 1,024 rows took a pass
+    # within the noise of one call; smaller ones cost more (Multi30k val in batches of 4,096 source tokens, beam 4,
+    # one thread: 256 rows +13%), docs/speed.md.
     SCALE_ROWS = 1024
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
