@@ -101,7 +101,7 @@ def test_int8_linear_scales_each_block_of_rows_apart(monkeypatch):
     layer = quantize_int8(tiny_model(seed=2)).model.encoder.layers[0].self_attn.q_proj
     x = torch.randn(2, 11, layer.in_features)  # 22 rows: blocks of 8, 8 and 6, across the batch's sentences
     rows = x.reshape(-1, layer.in_features)
-    blocks = [stock_forward(layer, rows[start : start + 8]) for start in (0, 8, 16)]
+    blocks = [layer(rows[start : start + 8]) for start in (0, 8, 16)]  # each block in a call of its own
     out = layer(x)
     assert out.shape == (2, 11, layer.out_features)
     assert torch.equal(out.reshape(-1, layer.out_features), torch.cat(blocks))
@@ -110,15 +110,6 @@ def test_int8_linear_scales_each_block_of_rows_apart(monkeypatch):
     assert torch.equal(layer(outlier)[:16], out.reshape(-1, layer.out_features)[:16])
     monkeypatch.setattr(Int8Linear, "SCALE_ROWS", 64)  # one call, one scale: the outlier coarsens every row
     assert not torch.equal(layer(outlier)[:16], layer(rows)[:16])
-
-
-def stock_forward(layer, x):
-    from torch.ao.nn.quantized.dynamic import Linear as DynamicQuantizedLinear
-
-    many = layer.many_rows_params is not None and x.shape[0] >= layer.many_rows
-    if many:
-        return torch.ops.quantized.linear_dynamic(x, layer.many_rows_params, True)
-    return DynamicQuantizedLinear.forward(layer, x)
 
 
 def test_int8_layers_take_onednn_from_where_it_is_faster_on_this_cpu(monkeypatch):

@@ -156,15 +156,15 @@ class Int8Linear(DynamicQuantizedLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if "rows_packed" in self._buffers and (x.numel() <= self.rows_kernel_elements or self.rows_always):
             return int8_rows.linear(self, x)
-        many = self.many_rows_params is not None and x.numel() >= self.many_rows * self.in_features
-        packing = self.many_rows_params if many else self._packed_params._packed_params
-        if x.numel() <= self.SCALE_ROWS * self.in_features:
-            return self._kernel(x, packing, True)
-        rows = x.reshape(-1, self.in_features)
-        out = rows.new_empty(rows.shape[0], self.out_features)
-        for start in range(0, rows.shape[0], self.SCALE_ROWS):
-            out[start : start + self.SCALE_ROWS] = self._kernel(rows[start : start + self.SCALE_ROWS], packing, True)
-        return out.view(*x.shape[:-1], self.out_features)
+        if x.numel() > self.SCALE_ROWS * self.in_features:  # each block goes as a call of its own rows would
+            rows = x.reshape(-1, self.in_features)
+            out = rows.new_empty(rows.shape[0], self.out_features)
+            for start in range(0, rows.shape[0], self.SCALE_ROWS):
+                out[start : start + self.SCALE_ROWS] = self.forward(rows[start : start + self.SCALE_ROWS])
+            return out.view(*x.shape[:-1], self.out_features)
+        if self.many_rows_params is not None and x.numel() >= self.many_rows * self.in_features:
+            return self._kernel(x, self.many_rows_params, True)
+        return self._kernel(x, self._packed_params._packed_params, True)
 
 
 def use_rows_kernel(model: nn.Module) -> None:
