@@ -24,7 +24,7 @@ from transformers import LogitsProcessorList
 
 from test_fast_decoding import EndsAt, EndsAtPerSource, ends, eos_prone_model
 from test_modeling import batch, tiny_model
-from vaswani_tx import compile_step, compiled_decoding, fast_decoding, int8_rows, one_source_beams
+from vaswani_tx import compile_step, compiled_decoding, fast_decoding, int8_rows, one_source_beams, quantization
 from vaswani_tx.cli import main
 from vaswani_tx.compile_step import compile_decoder_step
 from vaswani_tx.compiled_decoding import ENCODER_FOLDER, FOLDER, MANIFEST, PACKAGE
@@ -365,6 +365,109 @@ def test_the_librarys_decoder_step_takes_relu_models_only(compiled_folder):
         model.model.decoder.layers[0].feed_forward.w_1.weight.data.t().contiguous().t()
     )
     assert compiled_decoding.RowsDecoder.of(model) is None
+
+
+def step_copies(inputs: tuple) -> list[tuple]:
+    """Two copies of a step's inputs, each with slots of its own to write."""
+    return [tuple(tuple(t.clone() for t in part) if isinstance(part, tuple) else part for part in inputs)
+            for _ in range(2)]  # fmt: skip
+
+
+@pytest.mark.skipif(not int8_rows.cpu_supports()[0], reason="a CPU without AVX512-VNNI: no int8 few-rows kernel")
+def test_the_librarys_int8_decoder_step_is_the_compiled_int8_few_rows_steps_function(compiled_folder, monkeypatch):
+    """An int8 model's few-rows step goes through the library's `decoder_rows_int8` (`RowsDecoder` on the int8 layers'
+    kernel buffers): given the compiled int8 few-rows step's inputs, the same outputs and the same keys and values
+    written into this position's slot. Both make each product a call of the int8 few-rows kernel; their attention and
+    norms sum in other orders, and an activation that lands on the other side of a rounding boundary moves its
+    product by one quantization step, hence a tolerance above float32 rounding's."""
+    model, _ = int8_twins(compiled_folder)
+    with monkeypatch.context() as patch:
+        without_rows_decoder(patch)
+        compiled, _ = int8_twins(compiled_folder)
+        reference = compiled_decoding.step_for_rows(compiled, 4)
+    ours = compiled_decoding.step_for_rows(model, 4)
+    assert ours.manifest.get("rows_kernel") and ours.rows_decoder is not None and reference.rows_decoder is None
+    assert ours.rows_decoder.quantized  # the int8 layers' scales and sums, two a product
+    for seed, (groups, rows, written, source) in enumerate([(1, 1, 0, 7), (1, 4, 3, 9), (2, 3, 5, 6), (1, 8, 2, 20)]):
+        copies = step_copies(step_inputs(model, groups, rows, written, source, seed))
+        with torch.inference_mode():
+            got, expected = ours(*copies[0]), reference(*copies[1])
+        assert got.shape == (groups * rows, model.config.d_model)
+        torch.testing.assert_close(got, expected, rtol=1e-3, atol=2e-3)
+        for mine, theirs in zip(copies[0][1] + copies[0][2], copies[1][1] + copies[1][2]):
+            torch.testing.assert_close(mine, theirs, rtol=1e-3, atol=2e-3)
+
+
+@pytest.mark.parametrize("converted", [False, True], ids=["paper", "biases"])
+def test_the_librarys_encoder_is_the_encoder_pass(compiled_folder, converted):
+    """The library's encoder (`RowsEncoder`, `encoder_rows`) gives `EncoderPass`'s outputs for one source: the encoder
+    output and each decoder layer's encoder-decoder keys and values, to float32 rounding, for the paper's model and a
+    converted one's biases and unscaled embeddings; and, for the int8 model, the eager int8 layers' (the same kernel
+    at these rows) to the quantization's rounding."""
+    VaswaniForConditionalGeneration.from_pretrained(compiled_folder)  # (loads the folder's library)
+    settings = dict(attention_bias=True, scale_embedding=False, d_model=64, d_ff=256, num_heads=4) if converted else {}
+    model = tiny_model(seed=3, **settings)
+    for int8 in (False, True):
+        if int8:
+            if not int8_rows.load(compiled_folder):  # (a CPU without AVX512-VNNI: no int8 few-rows kernel)
+                continue
+            model = quantize_int8(model)
+            quantization.use_rows_kernel(model)
+        encoder = compiled_decoding.RowsEncoder.of(model)
+        assert encoder is not None and bool(encoder.quantized) == int8
+        for seed, length in enumerate((1, 7, 19)):
+            ids = torch.randint(4, model.config.vocab_size, (1, length), generator=torch.Generator().manual_seed(seed))
+            with torch.inference_mode():
+                got = encoder(ids)
+                expected = compile_step.EncoderPass(model)(model.get_input_embeddings()(ids))
+            close = dict(rtol=1e-3, atol=2e-3) if int8 else dict(rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(got.hidden, expected[0], **close)
+            assert len(got.keys) == len(got.values) == model.config.num_decoder_layers
+            for mine, theirs in zip([t for pair in zip(got.keys, got.values) for t in pair], expected[1:]):
+                assert mine.is_contiguous() and mine.shape == theirs.shape
+                torch.testing.assert_close(mine, theirs, **close)
+
+
+@pytest.mark.skipif(not int8_rows.cpu_supports()[0], reason="a CPU without AVX512-VNNI: no int8 few-rows kernel")
+def test_an_int8_sentence_a_call_is_encoded_by_the_library_while_the_weights_are_those_it_read(compiled_folder):
+    """`translate --int8` a sentence a call: generate() encodes the one unpadded source through the library's encoder
+    (the int8 model has no compiled one), with the ids of the eager int8 encoder (here the same kernel at these rows);
+    once a weight changes in place it is made again from the model's tensors, and a padded batch goes eagerly."""
+    model, _ = int8_twins(compiled_folder)
+    eager, _ = int8_twins(compiled_folder)
+    eager._compiled_folder = None  # (no folder: the eager encoder)
+    ids, mask = batch(seed=3, lengths=(7,))
+    kwargs = dict(input_ids=ids, attention_mask=mask, num_beams=4, max_new_tokens=12)
+    assert torch.equal(model.generate(**kwargs), eager.generate(**kwargs))
+    encoder = model._compiled_steps["encoder"]
+    assert type(encoder) is compiled_decoding.RowsEncoder
+    with torch.no_grad():
+        for twin in (model, eager):
+            twin.model.encoder.layers[0].self_attn_norm.weight.mul_(0.5)
+    assert not encoder.usable(model)
+    assert torch.equal(model.generate(**kwargs), eager.generate(**kwargs))
+    assert model._compiled_steps["encoder"] is not encoder and model._compiled_steps["encoder"].usable(model)
+    padded, padded_mask = batch(seed=3, lengths=(7, 4))
+    assert compiled_decoding.encoder_for(model, padded, padded_mask) is None
+
+
+@pytest.mark.skipif(not int8_rows.cpu_supports()[0], reason="a CPU without AVX512-VNNI: no int8 few-rows kernel")
+def test_an_int8_projection_of_a_few_rows_is_the_layers_own_product(compiled_folder):
+    """The int8 model's pre-softmax projection in a decoding session calls the int8 few-rows kernel straight where the
+    layer would call it (`OwnProjection`): the logits of `project`, and their log-softmax; more rows than the kernel
+    takes go through the layer. With Marian's fixed bias (this model's) and without."""
+    model, _ = int8_twins(compiled_folder)
+    layer = model.get_output_embeddings()
+    for bias in (True, False):
+        model.config.final_logits_bias = bias
+        projection = fast_decoding.OwnProjection(model)
+        assert projection.few_rows is not None and (projection.final_bias is not None) == bias
+        for rows in (1, 4, layer.rows_kernel_elements // layer.in_features, 40):
+            hidden = torch.randn(rows, 1, model.config.d_model, generator=torch.Generator().manual_seed(rows))
+            with torch.inference_mode():
+                expected = model.project(hidden).float()
+                assert torch.equal(projection(hidden), expected)
+                torch.testing.assert_close(projection(hidden, log_softmax=True), torch.log_softmax(expected, -1))
 
 
 @pytest.mark.parametrize("settings", [dict(num_beams=1), dict(num_beams=4)], ids=["greedy", "beam"])

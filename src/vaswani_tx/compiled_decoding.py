@@ -322,12 +322,63 @@ def int8_operator() -> threading.local:
 # --- loading -----------------------------------------------------------------------------------------------------
 
 
+def layer_tensors(layers) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None]]:
+    """The tensors the beam-search library's rows functions (`RowsDecoder`, `RowsEncoder`) take of each layer's
+    modules, in order: a linear layer's W and b (float32 W (N, K), or an int8 layer's packing of its weights for the
+    int8 few-rows kernel, `int8_rows.attach_weights`), a LayerNorm's weight and bias (an empty tensor: no bias); and of
+    each int8 layer its weight scales and shifted sums (None: a layer without the kernel's buffers)."""
+    none = torch.empty(0)
+    weights, quantized = [], []
+    for modules in layers:
+        for module in modules:
+            if isinstance(module, DynamicQuantizedLinear):
+                packed, scales, sums, bias = (module._buffers.get(name) for name in ROWS_BUFFERS)
+                weights += [packed, none if bias is None else bias]
+                quantized += [scales, sums]
+            else:
+                weights += [module.weight.detach(), none if module.bias is None else module.bias.detach()]
+    return weights, quantized
+
+
+def rows_library(model: nn.Module, function: str):
+    """The beam-search library where it has `function` for this model (an int8 one's `function`_int8, with the int8
+    few-rows kernel loaded), else None: no library loaded (or one built before it had the function), a CPU without
+    AVX-512, another activation than ReLU, a stack of no layers."""
+    library = sys.modules.get(BEAMS_MODULE)
+    if library is None or not hasattr(library, "decoder_rows") or not library.decoder_rows_supported():
+        return None
+    config = model.config
+    if config.activation_function != "relu" or not (config.num_encoder_layers and config.num_decoder_layers):
+        return None
+    if int8_layers(model.get_decoder()) or int8_layers(model.get_encoder()):
+        function += "_int8"
+        if not rows_kernel_loaded():
+            return None
+    return library if hasattr(library, function) else None
+
+
+def plain_rows_tensors(weights: list, quantized: list, products: int, tensors: int, *others: torch.Tensor) -> bool:
+    """Whether the rows functions can read these: contiguous tensors on the CPU, float32 where there are no int8
+    layers, every layer's products int8 where there are (`products` of them in each layer's `tensors`)."""
+    if quantized and len(quantized) * tensors != len(weights) * 2 * products:
+        return False  # some of the layers int8, others not
+    every = (*weights, *quantized, *others)
+    if not all(t is not None and t.device.type == "cpu" and t.is_contiguous() for t in every):
+        return False
+    return bool(quantized) or all(t.dtype == torch.float32 for t in every)  # (int8: int8 weights, int32 sums)
+
+
 class RowsDecoder:
-    """The float32 few-rows step's work in one call of the beam-search library's `decoder_rows` (one_source_beams.cpp),
-    on the model's own weights: the same function as the compiled few-rows step (`DecoderStep`), whose 18 products a
-    step (the main job's model) read the weights at 16-18 GB/s on an Intel Xeon where one core reads 25-26 (the
-    library's products read each block of W once for all the rows). Where it serves, the compiled step's packed copy
-    of the weights is not loaded and the model's pages are kept (`release_replaced`)."""
+    """The few-rows step's work in one call of the beam-search library's `decoder_rows` (one_source_beams.cpp), on the
+    model's own weights: the same function as the compiled few-rows step (`DecoderStep`), whose 18 products a step
+    (the main job's model) read the weights at 16-18 GB/s on an Intel Xeon where one core reads 25-26 (the library's
+    products read each block of W once for all the rows). Where it serves, the compiled step's packed copy of the
+    weights is not loaded and the model's pages are kept (`release_replaced`).
+
+    An int8 model's (`--int8`) goes through `decoder_rows_int8`: each product the int8 few-rows kernel's on the
+    layer's own int8 weights (int8_rows.py's `attach_weights` buffers), as in the compiled int8 few-rows step, whose
+    18 calls of the kernel a step each went through AOTInductor's proxy executor (0.23 against 0.20 ms a step for the
+    main job's model, a sentence a call, one thread, Intel Xeon)."""
 
     def __init__(self, library, model: nn.Module):
         decoder = model.get_decoder()
@@ -338,39 +389,31 @@ class RowsDecoder:
         # path adds them
         positions = int(model.config.max_position_embeddings)
         self.positions = embeddings.embed_positions(positions, 0, like=self.embedding).detach()
-        none = torch.empty(0)
-
-        def weight_and_bias(module: nn.Module) -> list[torch.Tensor]:  # (a linear layer's or a LayerNorm's)
-            return [module.weight.detach(), none if module.bias is None else module.bias.detach()]
-
-        self.weights = []
-        for layer in decoder.layers:
-            self_attn, cross_attn, feed_forward = layer.self_attn, layer.cross_attn, layer.feed_forward
-            for module in (
-                *(self_attn.q_proj, self_attn.k_proj, self_attn.v_proj, self_attn.out_proj, layer.self_attn_norm),
-                *(cross_attn.q_proj, cross_attn.out_proj, layer.cross_attn_norm),
-                *(feed_forward.w_1, feed_forward.w_2, layer.feed_forward_norm),
-            ):
-                self.weights += weight_and_bias(module)
+        self.weights, self.quantized = layer_tensors(
+            [
+                *(layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj, layer.self_attn.out_proj),
+                *(layer.self_attn_norm, layer.cross_attn.q_proj, layer.cross_attn.out_proj, layer.cross_attn_norm),
+                *(layer.feed_forward.w_1, layer.feed_forward.w_2, layer.feed_forward_norm),
+            ]
+            for layer in decoder.layers
+        )
 
     @classmethod
     def of(cls, model: nn.Module) -> RowsDecoder | None:
-        """The library's step for this float32 model, or None: no library loaded (or one built before it had the
-        step), a CPU without AVX-512, another activation than ReLU, a decoder of no layers, or weights that are not
-        plain contiguous float32 tensors on the CPU (the compiled step then serves)."""
-        library = sys.modules.get(BEAMS_MODULE)
-        if library is None or not hasattr(library, "decoder_rows") or not library.decoder_rows_supported():
-            return None
-        if model.config.activation_function != "relu" or not len(model.get_decoder().layers):
+        """The library's step for this float32 or int8 model, or None (the compiled step then serves): no library
+        with the step (`rows_library`), or weights it cannot read (`plain_rows_tensors`)."""
+        library = rows_library(model, "decoder_rows")
+        if library is None:
             return None
         decoder = cls(library, model)
-        plain = all(
-            t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous()
-            for t in (*decoder.weights, decoder.embedding)
-        )
-        return decoder if plain else None
+        return decoder if plain_rows_tensors(decoder.weights, decoder.quantized, 8, 22, decoder.embedding) else None
 
     def __call__(self, tokens, self_keys, self_values, cross_keys, cross_values, sources, source_mask) -> torch.Tensor:
+        if self.quantized:
+            return self.library.decoder_rows_int8(
+                tokens, self.embedding, self.scale, self.positions, self.weights, self.quantized,
+                self_keys, self_values, cross_keys, cross_values, source_mask, self.heads, self.eps,
+            )  # fmt: skip
         return self.library.decoder_rows(
             tokens,
             self.embedding,
@@ -384,7 +427,70 @@ class RowsDecoder:
             source_mask,
             self.heads,
             self.eps,
-        )  # (the library takes the tuples of tensors as they come)
+        )  # fmt: skip  (the library takes the tuples of tensors as they come)
+
+
+class RowsEncoder:
+    """The encoder for one source without padding (a sentence a call) in one call of the beam-search library's
+    `encoder_rows` (`encoder_rows_int8` for an int8 model): `EncoderPass`'s function (compile_step.py), the Section 3.1
+    stack and each decoder layer's encoder-decoder keys and values of its output, on the model's own weights, the
+    products `RowsDecoder`'s. The eager int8 encoder of a 13-token source is some 40 modules' calls around products of
+    a few microseconds each (about 1.1 ms for the main job's model, one thread, Intel Xeon; see docs/speed.md).
+
+    It serves while the model's tensors are those it was made from (`usable`, as the compiled steps'), else it is made
+    again from the model's."""
+
+    released = True  # (`release_replaced`: it holds no copy of the model's weights)
+
+    def __init__(self, library, model: nn.Module):
+        config, encoder = model.config, model.get_encoder()
+        self.library, embeddings = library, encoder.embeddings
+        self.heads, self.eps = int(config.num_heads), float(config.layer_norm_eps)
+        self.d_k, self.d_v = int(config.d_k), int(config.d_v)
+        self.embedding, self.scale = embeddings.embed_tokens.weight.detach(), float(embeddings.embed_scale)
+        self.rows = int(config.max_position_embeddings)  # (the longest source it encodes)
+        self.positions = embeddings.embed_positions(self.rows, 0, like=self.embedding).detach()
+        self.weights, self.quantized = layer_tensors(
+            [
+                *(layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj, layer.self_attn.out_proj),
+                *(layer.self_attn_norm, layer.feed_forward.w_1, layer.feed_forward.w_2, layer.feed_forward_norm),
+            ]
+            for layer in encoder.layers
+        )
+        self.memory, self.memory_quantized = layer_tensors(
+            [layer.cross_attn.k_proj, layer.cross_attn.v_proj] for layer in model.get_decoder().layers
+        )
+        self.bound = _versions(model)
+
+    @classmethod
+    def of(cls, model: nn.Module) -> RowsEncoder | None:
+        """The library's encoder for this float32 or int8 model, or None (as `RowsDecoder.of`)."""
+        library = rows_library(model, "encoder_rows")
+        if library is None:
+            return None
+        encoder = cls(library, model)
+        plain = plain_rows_tensors(encoder.weights, encoder.quantized, 6, 16, encoder.embedding)
+        plain = plain and plain_rows_tensors(encoder.memory, encoder.memory_quantized, 2, 4)
+        return encoder if plain and bool(encoder.quantized) == bool(encoder.memory_quantized) else None
+
+    def usable(self, model: nn.Module) -> bool:
+        """Whether it encodes for `model` now: eval mode, the tensors it was made from, unchanged."""
+        return not model.training and _versions(model) == self.bound
+
+    def __call__(self, input_ids: torch.Tensor) -> EncodedSource:
+        """The encoder output (1, S, D) of one source's ids (1, S), and each decoder layer's encoder-decoder keys and
+        values of it."""
+        if self.quantized:
+            hidden, *memory = self.library.encoder_rows_int8(
+                input_ids, self.embedding, self.scale, self.positions, self.weights, self.quantized, self.memory,
+                self.memory_quantized, self.heads, self.d_k, self.d_v, self.eps,
+            )  # fmt: skip
+        else:
+            hidden, *memory = self.library.encoder_rows(
+                input_ids, self.embedding, self.scale, self.positions, self.weights, self.memory,
+                self.heads, self.d_k, self.d_v, self.eps,
+            )  # fmt: skip
+        return EncodedSource(hidden, memory[0::2], memory[1::2])
 
 
 class CompiledStep:
@@ -445,6 +551,11 @@ class CompiledStep:
             self.rows_decoder = RowsDecoder.of(model)
             if self.rows_decoder is not None:  # the model's own weights serve: the step's copy is not loaded
                 self.own, self.bound, self.embedding = None, _versions(model), self.embedding_table(model)
+                return
+        if self.int8 is not None and "rows_kernel" in self.manifest:  # the int8 few-rows step
+            self.rows_decoder = RowsDecoder.of(model)
+            if self.rows_decoder is not None:  # bound to the model's own tensors as the step is
+                self.bound, self.int8 = _identity(model), [module for _, module in int8_layers(model)]
                 return
         tensors = step_tensors(model)
         if self.own_weights and self.own is None:
@@ -570,11 +681,12 @@ class EncodedSource:
 
 def encoder_for(
     model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
-) -> CompiledEncoder | None:
+) -> CompiledEncoder | RowsEncoder | None:
     """The model's compiled encoder where it can encode this call now: a float32 model on the CPU in eval mode, with
     gradients off; one source (1, S) of at most the positions it was compiled for, unpadded (no mask, or all ones);
-    its folder's `compiled-encoder`, fitting the model (loaded at the first such call, then kept). Else None: the
-    eager encoder, with the same output to float32 rounding. (A model converted or quantized since loading holds
+    its folder's `compiled-encoder`, fitting the model (loaded at the first such call, then kept). An int8 model's is
+    the beam-search library's `RowsEncoder` where the folder has that library and the int8 few-rows kernel. Else
+    None: the eager encoder, with the same output to float32 rounding (int8's: to the quantization's own error). (A model converted or quantized since loading holds
     other tensors than those the encoder was bound to, which `usable` tells: walking its modules for its precision at
     every call would cost 0.1 ms.)"""
     folder = getattr(model, "_compiled_folder", None)
@@ -586,12 +698,18 @@ def encoder_for(
     if embedding.dtype != torch.float32 or embedding.device.type != "cpu":
         return None  # (a bfloat16 model, or one on a GPU: no line, as no step of theirs is missing)
     steps = model.__dict__.setdefault("_compiled_steps", {})
-    if "encoder" not in steps:  # (an int8 model has none either, and is never float32 again)
-        is_float32 = precision(model) == "float32"
+    if "encoder" not in steps:  # (an int8 model is never float32 again)
+        kind = precision(model)
         steps["encoder"] = (
-            _loaded(model, Path(folder) / ENCODER_FOLDER, folder, CompiledEncoder) if is_float32 else None
+            _loaded(model, Path(folder) / ENCODER_FOLDER, folder, CompiledEncoder)
+            if kind == "float32"
+            else RowsEncoder.of(model)
+            if kind == "int8"
+            else None
         )
     encoder = steps["encoder"]
+    if type(encoder) is RowsEncoder and not encoder.usable(model):  # the model's tensors replaced or changed
+        encoder = steps["encoder"] = RowsEncoder.of(model)
     if encoder is None or input_ids.shape[1] > encoder.rows or not encoder.usable(model):
         return None
     return encoder

@@ -14,8 +14,11 @@ its Python loop (one logged line), with the same results.
 The library also holds the other per-step work of a sentence a call that was many small tensor operations in Python:
 the compiled step's slot views and their reordering (`PositionSlots`), and greedy search's int8 screen after the int8
 product (`ScreenedArgmax`: the bound, the columns left, their float32 product, the argmax).
-And it holds the float32 few-rows decoder step (`decoder_rows`, which compiled_decoding.py's `RowsDecoder` calls): a
-sentence a call's whole step in one call, its products reading the model's own weights once for all the rows.
+And it holds the few-rows decoder step (`decoder_rows`, and `decoder_rows_int8` for `--int8`, which
+compiled_decoding.py's `RowsDecoder` calls): a sentence a call's whole step in one call, its products reading the
+model's own weights once for all the rows (int8's through the int8 few-rows kernel, int8_rows.py); and the encoder of
+one source (`encoder_rows`, `encoder_rows_int8`: `RowsEncoder`, which an int8 model's sentence a call takes), the same
+function as the compiled encoder, on the same products.
 """
 
 from __future__ import annotations

@@ -10,6 +10,7 @@
 // loop rounds it (which is where transformers' float32 tensors do).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/csrc/utils/pybind.h>
 #if defined(__SSE2__)
 #include <emmintrin.h>
@@ -19,6 +20,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 #include <cstring>
 #include <cstdint>
 #include <vector>
@@ -811,10 +813,63 @@ void add_norm(float* x, const float* sublayer, int64_t M, int64_t D, const at::T
 }
 
 constexpr int64_t kLayerTensors = 22;  // see `decoder_rows`
+constexpr int64_t kLayerProducts = 8;  // W^Q, W^K, W^V, W^O, the encoder-decoder W^Q and W^O, W_1, W_2
 
 void check_rows_tensor(const at::Tensor& t, const char* what) {
   TORCH_CHECK(t.scalar_type() == at::kFloat && t.device().is_cpu() && t.stride(-1) == 1,
               "decoder_rows: ", what, " must be float32 on the CPU with unit stride in its last dimension");
+}
+
+// The products of the decoder's step: y (M, N) = x (M, K) W^T + b, ReLU'd with `relu`, for the layer's tensor i (W)
+// and i + 1 (b). FloatProducts: W float32 (N, K), `rows_linear`.
+struct FloatProducts {
+  const at::Tensor* t;  // the layer's kLayerTensors
+  int64_t out_features(int i) const { return t[i].size(0); }
+  void operator()(int i, const float* x, int64_t M, int64_t, float* y, bool relu) const {
+    rows_linear(x, M, t[i], t[i + 1], y, relu);
+  }
+};
+
+// Int8Products: the int8 few-rows kernel's (int8_rows.cpp), each W its packing of the layer's int8 weights, beside
+// their scales and shifted sums, through the operator that kernel's library registers (`vaswani_tx_int8::linear`;
+// loaded into this process first). A call through the dispatcher costs about a microsecond, where the compiled int8
+// step's AOTInductor proxy executor took some 10 for each of its 18 calls a step.
+struct Int8Products {
+  const at::Tensor* t;  // the layer's tensors
+  const at::Tensor* q;  // the layer's products' weight scales and shifted sums, two a product in the same order
+  // Tensor i's product among the layer's: each W is followed by its b, and a norm's two tensors sit at 8, 14 and 20
+  // (a decoder layer's W^Q, W^K, W^V, W^O at 0-6, its encoder-decoder W^Q, W^O at 10, 12, W_1, W_2 at 16, 18; an
+  // encoder layer's W_1, W_2 at 10, 12; a decoder layer's encoder-decoder W^K, W^V at 0, 2 of their own list).
+  static int number(int i) { return (i - 2 * ((i > 8) + (i > 14) + (i > 20))) / 2; }
+  int64_t out_features(int i) const { return q[2 * number(i)].numel(); }
+  void operator()(int i, const float* x, int64_t M, int64_t K, float* y, bool relu) const {
+    static const auto linear = c10::Dispatcher::singleton()
+        .findSchemaOrThrow("vaswani_tx_int8::linear", "")
+        .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                          const std::optional<at::Tensor>&, int64_t)>();
+    const at::Tensor &bias = t[i + 1], &scales = q[2 * number(i)];
+    const int64_t N = scales.numel();
+    const at::Tensor input = at::from_blob(const_cast<float*>(x), {M, K}, at::TensorOptions().dtype(at::kFloat));
+    const at::Tensor out = linear.call(input, t[i], scales, q[2 * number(i) + 1],
+                                       bias.numel() ? std::optional<at::Tensor>(bias) : std::nullopt, N);
+    const float* o = out.data_ptr<float>();
+    if (relu) {
+      for (int64_t j = 0; j < M * N; ++j) y[j] = std::max(o[j], 0.0f);
+    } else {
+      std::copy_n(o, M * N, y);
+    }
+  }
+};
+
+// The products of the tensors from `weights`[w] (and their scales and sums from `quantized`[q], for int8's).
+template <class Products>
+Products products_at(const std::vector<at::Tensor>& weights, const std::vector<at::Tensor>& quantized, int64_t w,
+                     int64_t q) {
+  if constexpr (std::is_same_v<Products, Int8Products>) {
+    return Products{weights.data() + w, quantized.data() + q};
+  } else {
+    return Products{weights.data() + w};
+  }
 }
 #endif
 
@@ -824,13 +879,15 @@ void check_rows_tensor(const at::Tensor& t, const char* what) {
 // W^V, W^O and their biases (empty: none), its norm's weight and bias, the encoder-decoder attention's W^Q, W^O,
 // their biases and its norm's, W_1, b_1, W_2, b_2 and the last norm's; self_keys/self_values per layer
 // (P + 1, G, k, h, d), into whose slot P this position's are written; cross keys/values per layer (G, h, S, d); the
-// source mask (G, S), 0 at padding. Returns the decoder's output (M, D).
-at::Tensor decoder_rows(const at::Tensor& tokens, const at::Tensor& embedding, double scale, const at::Tensor& positions,
-                        const std::vector<at::Tensor>& weights,
+// source mask (G, S), 0 at padding. Returns the decoder's output (M, D). `Products` computes each W's product (with
+// `quantized`, for int8's).
+#ifdef VASWANI_TX_AVX512
+template <class Products>
+at::Tensor decoder_step(const at::Tensor& tokens, const at::Tensor& embedding, double scale, const at::Tensor& positions,
+                        const std::vector<at::Tensor>& weights, const std::vector<at::Tensor>& quantized,
                         const std::vector<at::Tensor>& self_keys, const std::vector<at::Tensor>& self_values,
                         const std::vector<at::Tensor>& cross_keys, const std::vector<at::Tensor>& cross_values,
                         const at::Tensor& source_mask, int64_t heads, double eps) {
-#ifdef VASWANI_TX_AVX512
   TORCH_CHECK(kAvx512, "decoder_rows: this CPU lacks AVX-512");
   const int64_t layers = static_cast<int64_t>(self_keys.size());
   TORCH_CHECK(layers > 0 && source_mask.dim() == 2 && source_mask.size(0) > 0, "decoder_rows: no layers or no sources");
@@ -859,22 +916,26 @@ at::Tensor decoder_rows(const at::Tensor& tokens, const at::Tensor& embedding, d
   TORCH_CHECK(G * k == M, "decoder_rows: ", M, " rows are not ", G, " sources' rows");
   const int64_t d_k = self_keys[0].size(-1), d_v = self_values[0].size(-1);
   const float scaling = 1.0f / std::sqrt(static_cast<float>(d_k));
-  const int64_t F = weights[16].size(0);
+  auto products_of = [&](int64_t l) {
+    return products_at<Products>(weights, quantized, l * kLayerTensors, l * 2 * kLayerProducts);
+  };
+  const int64_t F = products_of(0).out_features(16);
   std::vector<float> q(M * heads * d_k), attended(M * heads * d_v), out(M * D), inner(M * F),
       scores(std::max<int64_t>(S, self_keys[0].size(0)));
   std::vector<float> new_keys(M * heads * d_k), new_values(M * heads * d_v);
   const int64_t* valid = mask.data_ptr<int64_t>();
   for (int64_t l = 0; l < layers; ++l) {
     const at::Tensor* t = weights.data() + l * kLayerTensors;
+    const Products product = products_of(l);
     const at::Tensor &keys = self_keys[l], &values = self_values[l], &ck = cross_keys[l], &cv = cross_values[l];
     for (const at::Tensor* tensor : {&keys, &values, &ck, &cv}) check_rows_tensor(*tensor, "the keys and values");
     TORCH_CHECK(keys.dim() == 5 && keys.size(1) == G && keys.size(2) == k && ck.dim() == 4 && ck.size(0) == G &&
                     ck.size(2) == S, "decoder_rows: keys of another shape than the rows' and sources'");
     TORCH_CHECK(keys.size(0) == P + 1, "decoder_rows: the layers' keys hold different numbers of positions");
     // Masked self-attention: this position's keys and values into slot P, then each row attends to positions 0..P
-    rows_linear(h, M, t[0], t[1], q.data());
-    rows_linear(h, M, t[2], t[3], new_keys.data());
-    rows_linear(h, M, t[4], t[5], new_values.data());
+    product(0, h, M, D, q.data(), false);
+    product(2, h, M, D, new_keys.data(), false);
+    product(4, h, M, D, new_values.data(), false);
     float* key_base = keys.data_ptr<float>();
     float* value_base = values.data_ptr<float>();
     for (int64_t r = 0; r < M; ++r)
@@ -887,10 +948,10 @@ at::Tensor decoder_rows(const at::Tensor& tokens, const at::Tensor& embedding, d
         attend(q.data() + (r * heads + a) * d_k, key, value, P + 1, keys.stride(0), values.stride(0), d_k, d_v,
                scaling, nullptr, scores.data(), attended.data() + (r * heads + a) * d_v);
       }
-    rows_linear(attended.data(), M, t[6], t[7], out.data());
+    product(6, attended.data(), M, heads * d_v, out.data(), false);
     add_norm(h, out.data(), M, D, t[8], t[9], static_cast<float>(eps));
     // Encoder-decoder attention: each row to its own source's S positions
-    rows_linear(h, M, t[10], t[11], q.data());
+    product(10, h, M, D, q.data(), false);
     for (int64_t r = 0; r < M; ++r)
       for (int64_t a = 0; a < heads; ++a) {
         const int64_t g = r / k;
@@ -898,16 +959,160 @@ at::Tensor decoder_rows(const at::Tensor& tokens, const at::Tensor& embedding, d
                cv.data_ptr<float>() + g * cv.stride(0) + a * cv.stride(1), S, ck.stride(2), cv.stride(2), d_k, d_v,
                scaling, valid + g * S, scores.data(), attended.data() + (r * heads + a) * d_v);
       }
-    rows_linear(attended.data(), M, t[12], t[13], out.data());
+    product(12, attended.data(), M, heads * d_v, out.data(), false);
     add_norm(h, out.data(), M, D, t[14], t[15], static_cast<float>(eps));
     // The position-wise feed-forward network (Equation 2)
-    rows_linear(h, M, t[16], t[17], inner.data(), true);
-    rows_linear(inner.data(), M, t[18], t[19], out.data());
+    product(16, h, M, D, inner.data(), true);
+    product(18, inner.data(), M, F, out.data(), false);
     add_norm(h, out.data(), M, D, t[20], t[21], static_cast<float>(eps));
   }
   return x;
+}
+#endif
+
+// The float32 step: per layer the 22 tensors above, each W (N, K) float32.
+at::Tensor decoder_rows(const at::Tensor& tokens, const at::Tensor& embedding, double scale, const at::Tensor& positions,
+                        const std::vector<at::Tensor>& weights,
+                        const std::vector<at::Tensor>& self_keys, const std::vector<at::Tensor>& self_values,
+                        const std::vector<at::Tensor>& cross_keys, const std::vector<at::Tensor>& cross_values,
+                        const at::Tensor& source_mask, int64_t heads, double eps) {
+#ifdef VASWANI_TX_AVX512
+  return decoder_step<FloatProducts>(tokens, embedding, scale, positions, weights, {}, self_keys, self_values,
+                                     cross_keys, cross_values, source_mask, heads, eps);
 #else
   TORCH_CHECK(false, "decoder_rows: built for a CPU without AVX-512");
+#endif
+}
+
+// The int8 step (`--int8`): the same 22 tensors a layer, each W the int8 few-rows kernel's packing of the layer's
+// int8 weights (int8_rows.py's `attach_weights`), and `quantized`, per layer each product's weight scales and
+// shifted sums (W^Q, W^K, W^V, W^O, the encoder-decoder W^Q, W^O, W_1, W_2). Each product is the kernel's, as in the
+// compiled int8 few-rows step, whose function this is.
+at::Tensor decoder_rows_int8(const at::Tensor& tokens, const at::Tensor& embedding, double scale,
+                             const at::Tensor& positions, const std::vector<at::Tensor>& weights,
+                             const std::vector<at::Tensor>& quantized, const std::vector<at::Tensor>& self_keys,
+                             const std::vector<at::Tensor>& self_values, const std::vector<at::Tensor>& cross_keys,
+                             const std::vector<at::Tensor>& cross_values, const at::Tensor& source_mask, int64_t heads,
+                             double eps) {
+#ifdef VASWANI_TX_AVX512
+  TORCH_CHECK(quantized.size() * kLayerTensors == weights.size() * 2 * kLayerProducts,
+              "decoder_rows_int8: each layer's products need their scales and sums");
+  return decoder_step<Int8Products>(tokens, embedding, scale, positions, weights, quantized, self_keys,
+                                    self_values, cross_keys, cross_values, source_mask, heads, eps);
+#else
+  TORCH_CHECK(false, "decoder_rows_int8: built for a CPU without AVX-512");
+#endif
+}
+
+// ---- the encoder for one source (a sentence a call) -----------------------------------------------------------------
+//
+// The encoder stack over one source without padding (Section 3.1) and each decoder layer's encoder-decoder keys and
+// values of its output (Section 3.2.3), `EncoderPass`'s function (compile_step.py), in one call: at a sentence a
+// call the eager encoder is some 40 modules' calls, a millisecond for the main job's model's 13-token sources, most
+// of it around products of a few microseconds. ids (1, S) embedded by `embedding` (V, D) times `scale` plus
+// `positions` 0 .. S - 1; per encoder layer 16 tensors: W^Q, b, W^K, b, W^V, b, W^O, b (empty b: none), the norm's
+// weight and bias, W_1, b_1, W_2, b_2 and the last norm's; `memory`, per decoder layer its encoder-decoder W^K, b,
+// W^V, b. Returns the output (1, S, D), then each decoder layer's keys (1, h, S, d_k) and values (1, h, S, d_v).
+constexpr int64_t kEncoderTensors = 16, kEncoderProducts = 6, kMemoryTensors = 4;
+
+#ifdef VASWANI_TX_AVX512
+template <class Products>
+std::vector<at::Tensor> encoder_pass(const at::Tensor& ids, const at::Tensor& embedding, double scale,
+                                     const at::Tensor& positions, const std::vector<at::Tensor>& weights,
+                                     const std::vector<at::Tensor>& quantized, const std::vector<at::Tensor>& memory,
+                                     const std::vector<at::Tensor>& memory_quantized, int64_t heads, int64_t d_k,
+                                     int64_t d_v, double eps) {
+  TORCH_CHECK(kAvx512, "encoder_rows: this CPU lacks AVX-512");
+  const int64_t layers = static_cast<int64_t>(weights.size()) / kEncoderTensors;
+  TORCH_CHECK(static_cast<int64_t>(weights.size()) == layers * kEncoderTensors &&
+                  memory.size() % kMemoryTensors == 0 && ids.dim() == 2 && ids.size(0) == 1,
+              "encoder_rows: ", kEncoderTensors, " tensors an encoder layer, ", kMemoryTensors,
+              " a decoder layer, and one source");
+  check_rows_tensor(embedding, "the embedding matrix");
+  check_rows_tensor(positions, "the positional encodings");
+  auto tokens = ids.to(at::kLong).contiguous();
+  const int64_t S = tokens.size(1), D = embedding.size(1), V = embedding.size(0);
+  TORCH_CHECK(S > 0 && S <= positions.size(0) && positions.size(1) == D, "encoder_rows: no positional encoding for ",
+              S, " positions");
+  auto x = at::empty({1, S, D}, embedding.options());
+  float* h = x.data_ptr<float>();
+  const float factor = static_cast<float>(scale);
+  for (int64_t r = 0; r < S; ++r) {  // Sections 3.4 and 3.5, as the decoder's step embeds its tokens
+    const int64_t id = tokens.data_ptr<int64_t>()[r];
+    TORCH_CHECK(id >= 0 && id < V, "encoder_rows: token id ", id, " is outside the vocabulary of ", V);
+    const float* row = embedding.data_ptr<float>() + id * embedding.stride(0);
+    const float* encoding = positions.data_ptr<float>() + r * positions.stride(0);
+    for (int64_t d = 0; d < D; ++d) h[r * D + d] = row[d] * factor + encoding[d];
+  }
+  const float scaling = 1.0f / std::sqrt(static_cast<float>(d_k));
+  const int64_t width_k = heads * d_k, width_v = heads * d_v;
+  std::vector<float> q(S * width_k), keys(S * width_k), values(S * width_v), attended(S * width_v), out(S * D),
+      scores(S), inner;
+  for (int64_t l = 0; l < layers; ++l) {
+    const at::Tensor* t = weights.data() + l * kEncoderTensors;
+    const Products product = products_at<Products>(weights, quantized, l * kEncoderTensors, l * 2 * kEncoderProducts);
+    const int64_t width_ff = product.out_features(10);
+    inner.resize(S * width_ff);
+    // Self-attention: each position to every position of the source (no mask: no padding)
+    product(0, h, S, D, q.data(), false);
+    product(2, h, S, D, keys.data(), false);
+    product(4, h, S, D, values.data(), false);
+    for (int64_t r = 0; r < S; ++r)
+      for (int64_t a = 0; a < heads; ++a)
+        attend(q.data() + r * width_k + a * d_k, keys.data() + a * d_k, values.data() + a * d_v, S, width_k, width_v,
+               d_k, d_v, scaling, nullptr, scores.data(), attended.data() + r * width_v + a * d_v);
+    product(6, attended.data(), S, width_v, out.data(), false);
+    add_norm(h, out.data(), S, D, t[8], t[9], static_cast<float>(eps));
+    // The position-wise feed-forward network (Equation 2)
+    product(10, h, S, D, inner.data(), true);
+    product(12, inner.data(), S, width_ff, out.data(), false);
+    add_norm(h, out.data(), S, D, t[14], t[15], static_cast<float>(eps));
+  }
+  std::vector<at::Tensor> result{x};
+  for (int64_t j = 0; j < static_cast<int64_t>(memory.size()) / kMemoryTensors; ++j) {
+    const Products product = products_at<Products>(memory, memory_quantized, j * kMemoryTensors, j * 4);
+    for (int part = 0; part < 2; ++part) {  // the keys (W^K), then the values (W^V), as (1, h, S, d) for the session
+      const int64_t d = part == 0 ? d_k : d_v;
+      product(2 * part, h, S, D, part == 0 ? keys.data() : values.data(), false);
+      const float* rows = part == 0 ? keys.data() : values.data();
+      auto split = at::empty({1, heads, S, d}, embedding.options());
+      float* to = split.data_ptr<float>();
+      for (int64_t a = 0; a < heads; ++a)
+        for (int64_t r = 0; r < S; ++r) std::copy_n(rows + r * heads * d + a * d, d, to + (a * S + r) * d);
+      result.push_back(split);
+    }
+  }
+  return result;
+}
+#endif
+
+std::vector<at::Tensor> encoder_rows(const at::Tensor& ids, const at::Tensor& embedding, double scale,
+                                     const at::Tensor& positions, const std::vector<at::Tensor>& weights,
+                                     const std::vector<at::Tensor>& memory, int64_t heads, int64_t d_k, int64_t d_v,
+                                     double eps) {
+#ifdef VASWANI_TX_AVX512
+  return encoder_pass<FloatProducts>(ids, embedding, scale, positions, weights, {}, memory, {}, heads, d_k, d_v, eps);
+#else
+  TORCH_CHECK(false, "encoder_rows: built for a CPU without AVX-512");
+#endif
+}
+
+// The int8 encoder (`--int8`): the same tensors, each W the int8 few-rows kernel's packing, with `quantized` and
+// `memory_quantized` each product's weight scales and shifted sums, as `decoder_rows_int8` takes them.
+std::vector<at::Tensor> encoder_rows_int8(const at::Tensor& ids, const at::Tensor& embedding, double scale,
+                                          const at::Tensor& positions, const std::vector<at::Tensor>& weights,
+                                          const std::vector<at::Tensor>& quantized,
+                                          const std::vector<at::Tensor>& memory,
+                                          const std::vector<at::Tensor>& memory_quantized, int64_t heads, int64_t d_k,
+                                          int64_t d_v, double eps) {
+#ifdef VASWANI_TX_AVX512
+  TORCH_CHECK(quantized.size() * kEncoderTensors == weights.size() * 2 * kEncoderProducts &&
+                  memory_quantized.size() == memory.size(),
+              "encoder_rows_int8: each layer's products need their scales and sums");
+  return encoder_pass<Int8Products>(ids, embedding, scale, positions, weights, quantized, memory,
+                                    memory_quantized, heads, d_k, d_v, eps);
+#else
+  TORCH_CHECK(false, "encoder_rows_int8: built for a CPU without AVX-512");
 #endif
 }
 
@@ -934,5 +1139,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("screened_logits", &screened_logits);
   m.def("screened_choice", &screened_choice);
   m.def("decoder_rows", &decoder_rows);
+  m.def("decoder_rows_int8", &decoder_rows_int8);
+  m.def("encoder_rows", &encoder_rows);
+  m.def("encoder_rows_int8", &encoder_rows_int8);
   m.def("decoder_rows_supported", &decoder_rows_supported);
 }
