@@ -377,7 +377,7 @@ class RowsDecoder:
 
     An int8 model's (`--int8`) goes through `decoder_rows_int8`: each product the int8 few-rows kernel's on the
     layer's own int8 weights (int8_rows.py's `attach_weights` buffers), as in the compiled int8 few-rows step, whose
-    18 calls of the kernel a step each went through AOTInductor's proxy executor (0.23 against 0.20 ms a step for the
+    18 calls of the kernel a step each went through AOTInductor's proxy executor (0.23 against 0.19 ms a step for the
     main job's model, a sentence a call, one thread, Intel Xeon)."""
 
     def __init__(self, library, model: nn.Module):
@@ -686,9 +686,9 @@ def encoder_for(
     gradients off; one source (1, S) of at most the positions it was compiled for, unpadded (no mask, or all ones);
     its folder's `compiled-encoder`, fitting the model (loaded at the first such call, then kept). An int8 model's is
     the beam-search library's `RowsEncoder` where the folder has that library and the int8 few-rows kernel. Else
-    None: the eager encoder, with the same output to float32 rounding (int8's: to the quantization's own error). (A model converted or quantized since loading holds
-    other tensors than those the encoder was bound to, which `usable` tells: walking its modules for its precision at
-    every call would cost 0.1 ms.)"""
+    None: the eager encoder, with the same output to float32 rounding (int8's: to the quantization's own error). (A
+    model converted or quantized since loading holds other tensors than those the encoder was bound to, which
+    `usable` tells: walking its modules for its precision at every call would cost 0.1 ms.)"""
     folder = getattr(model, "_compiled_folder", None)
     if folder is None or model.training or torch.is_grad_enabled() or input_ids.dim() != 2 or input_ids.shape[0] != 1:
         return None
