@@ -357,9 +357,15 @@ def rows_library(model: nn.Module, function: str):
     return library if hasattr(library, function) else None
 
 
-def plain_rows_tensors(weights: list, quantized: list, products: int, tensors: int, *others: torch.Tensor) -> bool:
+# (tensors, products) a layer in the rows functions' lists: a decoder layer's, an encoder layer's, a decoder layer's
+# encoder-decoder W^K and W^V (one_source_beams.cpp's kLayerTensors, kEncoderTensors, kMemoryTensors and theirs)
+DECODER_LAYER, ENCODER_LAYER, MEMORY_LAYER = (22, 8), (16, 6), (4, 2)
+
+
+def plain_rows_tensors(weights: list, quantized: list, layer: tuple[int, int], *others: torch.Tensor) -> bool:
     """Whether the rows functions can read these: contiguous tensors on the CPU, float32 where there are no int8
-    layers, every layer's products int8 where there are (`products` of them in each layer's `tensors`)."""
+    layers, every layer's products int8 where there are (`layer`: its tensors and products)."""
+    tensors, products = layer
     if quantized and len(quantized) * tensors != len(weights) * 2 * products:
         return False  # some of the layers int8, others not
     every = (*weights, *quantized, *others)
@@ -406,7 +412,11 @@ class RowsDecoder:
         if library is None:
             return None
         decoder = cls(library, model)
-        return decoder if plain_rows_tensors(decoder.weights, decoder.quantized, 8, 22, decoder.embedding) else None
+        return (
+            decoder
+            if plain_rows_tensors(decoder.weights, decoder.quantized, DECODER_LAYER, decoder.embedding)
+            else None
+        )
 
     def __call__(self, tokens, self_keys, self_values, cross_keys, cross_values, sources, source_mask) -> torch.Tensor:
         if self.quantized:
@@ -469,8 +479,8 @@ class RowsEncoder:
         if library is None:
             return None
         encoder = cls(library, model)
-        plain = plain_rows_tensors(encoder.weights, encoder.quantized, 6, 16, encoder.embedding)
-        plain = plain and plain_rows_tensors(encoder.memory, encoder.memory_quantized, 2, 4)
+        plain = plain_rows_tensors(encoder.weights, encoder.quantized, ENCODER_LAYER, encoder.embedding)
+        plain = plain and plain_rows_tensors(encoder.memory, encoder.memory_quantized, MEMORY_LAYER)
         return encoder if plain and bool(encoder.quantized) == bool(encoder.memory_quantized) else None
 
     def usable(self, model: nn.Module) -> bool:

@@ -820,6 +820,16 @@ void check_rows_tensor(const at::Tensor& t, const char* what) {
               "decoder_rows: ", what, " must be float32 on the CPU with unit stride in its last dimension");
 }
 
+// Sections 3.4 and 3.5: out (D) = token `id`'s row of the shared matrix times `scale` (sqrt(d_model)), plus its
+// position's `encoding`; `caller` names the function in the error for an id outside the vocabulary.
+void embed(int64_t id, const at::Tensor& embedding, float scale, const float* encoding, float* out,
+           const char* caller) {
+  const int64_t V = embedding.size(0), D = embedding.size(1);
+  TORCH_CHECK(id >= 0 && id < V, caller, ": token id ", id, " is outside the vocabulary of ", V);
+  const float* row = embedding.data_ptr<float>() + id * embedding.stride(0);
+  for (int64_t d = 0; d < D; ++d) out[d] = row[d] * scale + encoding[d];
+}
+
 // The products of the decoder's step: y (M, N) = x (M, K) W^T + b, ReLU'd with `relu`, for the layer's tensor i (W)
 // and i + 1 (b). FloatProducts: W float32 (N, K), `rows_linear`.
 struct FloatProducts {
@@ -897,7 +907,7 @@ at::Tensor decoder_step(const at::Tensor& tokens, const at::Tensor& embedding, d
   check_rows_tensor(embedding, "the embedding matrix");
   check_rows_tensor(positions, "the positional encodings");
   auto ids = tokens.to(at::kLong).contiguous();
-  const int64_t M = ids.numel(), D = embedding.size(1), V = embedding.size(0);
+  const int64_t M = ids.numel(), D = embedding.size(1);
   const int64_t P = self_keys[0].size(0) - 1;  // this step's position
   TORCH_CHECK(P < positions.size(0) && positions.size(1) == D, "decoder_rows: no positional encoding for position ", P);
   // Sections 3.4 and 3.5: the token's row of the shared matrix times sqrt(d_model), plus its position's encoding
@@ -905,12 +915,8 @@ at::Tensor decoder_step(const at::Tensor& tokens, const at::Tensor& embedding, d
   float* h = x.data_ptr<float>();
   const float factor = static_cast<float>(scale);
   const float* encoding = positions.data_ptr<float>() + P * positions.stride(0);
-  for (int64_t r = 0; r < M; ++r) {
-    const int64_t id = ids.data_ptr<int64_t>()[r];
-    TORCH_CHECK(id >= 0 && id < V, "decoder_rows: token id ", id, " is outside the vocabulary of ", V);
-    const float* row = embedding.data_ptr<float>() + id * embedding.stride(0);
-    for (int64_t d = 0; d < D; ++d) h[r * D + d] = row[d] * factor + encoding[d];
-  }
+  const int64_t* id = ids.data_ptr<int64_t>();
+  for (int64_t r = 0; r < M; ++r) embed(id[r], embedding, factor, encoding, h + r * D, "decoder_rows");
   auto mask = source_mask.to(at::kLong).contiguous();
   const int64_t G = mask.size(0), S = mask.size(1), k = M / G;
   TORCH_CHECK(G * k == M, "decoder_rows: ", M, " rows are not ", G, " sources' rows");
@@ -1013,7 +1019,7 @@ at::Tensor decoder_rows_int8(const at::Tensor& tokens, const at::Tensor& embeddi
 // `positions` 0 .. S - 1; per encoder layer 16 tensors: W^Q, b, W^K, b, W^V, b, W^O, b (empty b: none), the norm's
 // weight and bias, W_1, b_1, W_2, b_2 and the last norm's; `memory`, per decoder layer its encoder-decoder W^K, b,
 // W^V, b. Returns the output (1, S, D), then each decoder layer's keys (1, h, S, d_k) and values (1, h, S, d_v).
-constexpr int64_t kEncoderTensors = 16, kEncoderProducts = 6, kMemoryTensors = 4;
+constexpr int64_t kEncoderTensors = 16, kEncoderProducts = 6, kMemoryTensors = 4, kMemoryProducts = 2;
 
 #ifdef VASWANI_TX_AVX512
 template <class Products>
@@ -1031,18 +1037,15 @@ std::vector<at::Tensor> encoder_pass(const at::Tensor& ids, const at::Tensor& em
   check_rows_tensor(embedding, "the embedding matrix");
   check_rows_tensor(positions, "the positional encodings");
   auto tokens = ids.to(at::kLong).contiguous();
-  const int64_t S = tokens.size(1), D = embedding.size(1), V = embedding.size(0);
+  const int64_t S = tokens.size(1), D = embedding.size(1);
   TORCH_CHECK(S > 0 && S <= positions.size(0) && positions.size(1) == D, "encoder_rows: no positional encoding for ",
               S, " positions");
   auto x = at::empty({1, S, D}, embedding.options());
   float* h = x.data_ptr<float>();
   const float factor = static_cast<float>(scale);
-  for (int64_t r = 0; r < S; ++r) {  // Sections 3.4 and 3.5, as the decoder's step embeds its tokens
-    const int64_t id = tokens.data_ptr<int64_t>()[r];
-    TORCH_CHECK(id >= 0 && id < V, "encoder_rows: token id ", id, " is outside the vocabulary of ", V);
-    const float* row = embedding.data_ptr<float>() + id * embedding.stride(0);
-    const float* encoding = positions.data_ptr<float>() + r * positions.stride(0);
-    for (int64_t d = 0; d < D; ++d) h[r * D + d] = row[d] * factor + encoding[d];
+  for (int64_t r = 0; r < S; ++r) {  // each source position's token at that position
+    embed(tokens.data_ptr<int64_t>()[r], embedding, factor, positions.data_ptr<float>() + r * positions.stride(0),
+          h + r * D, "encoder_rows");
   }
   const float scaling = 1.0f / std::sqrt(static_cast<float>(d_k));
   const int64_t width_k = heads * d_k, width_v = heads * d_v;
@@ -1070,7 +1073,7 @@ std::vector<at::Tensor> encoder_pass(const at::Tensor& ids, const at::Tensor& em
   }
   std::vector<at::Tensor> result{x};
   for (int64_t j = 0; j < static_cast<int64_t>(memory.size()) / kMemoryTensors; ++j) {
-    const Products product = products_at<Products>(memory, memory_quantized, j * kMemoryTensors, j * 4);
+    const Products product = products_at<Products>(memory, memory_quantized, j * kMemoryTensors, j * 2 * kMemoryProducts);
     for (int part = 0; part < 2; ++part) {  // the keys (W^K), then the values (W^V), as (1, h, S, d) for the session
       const int64_t d = part == 0 ? d_k : d_v;
       product(2 * part, h, S, D, part == 0 ? keys.data() : values.data(), false);
