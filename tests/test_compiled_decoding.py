@@ -43,16 +43,22 @@ def compiled_folder(tmp_path_factory):
     return folder
 
 
+def note_steps(patch, note) -> None:
+    """`note(step)` at each decoder step a compiled session takes, with the `CompiledStep` that serves it (its
+    compiled library, or the beam-search library's step: `RowsDecoder`); `patch`: a monkeypatch."""
+    original = fast_decoding.CompiledSession.hidden
+    patch.setattr(
+        fast_decoding.CompiledSession, "hidden", lambda self, tokens: note(self.compiled) or original(self, tokens)
+    )
+
+
 @pytest.fixture
 def steps(monkeypatch):
     """How many steps went through the compiled library, which here serves calls of any number of rows (where
     oneDNN is chosen, calls of several rows otherwise decode eagerly on packed weights: `packs_beat_compiled`)."""
     monkeypatch.setattr(fast_decoding, "packs_beat_compiled", lambda model, rows: False)
     ran = []
-    original = compiled_decoding.CompiledStep.__call__
-    monkeypatch.setattr(
-        compiled_decoding.CompiledStep, "__call__", lambda self, *a: ran.append(1) or original(self, *a)
-    )
+    note_steps(monkeypatch, lambda step: ran.append(1))
     return ran
 
 
@@ -236,13 +242,7 @@ def test_the_models_tensors_are_read_where_they_were_found_while_the_modules_hol
 def few_rows_calls(monkeypatch):
     """The rows of each call of a compiled step: few-rows step's (True) or the other's (False)."""
     calls = []
-    original = compiled_decoding.CompiledStep.__call__
-
-    def counting(self, tokens, *args):
-        calls.append(self.few_rows is not None)
-        return original(self, tokens, *args)
-
-    monkeypatch.setattr(compiled_decoding.CompiledStep, "__call__", counting)
+    note_steps(monkeypatch, lambda step: calls.append(step.few_rows is not None))
     return calls
 
 
@@ -938,13 +938,7 @@ def test_int8_calls_of_a_few_rows_decode_through_the_kernels_step(compiled_folde
     model, eager = int8_twins(compiled_folder)
     assert all("rows_packed" in module._buffers for _, module in compiled_decoding.int8_layers(model))
     kernel_steps = []
-    original = compiled_decoding.CompiledStep.__call__
-
-    def noting(self, *args):
-        kernel_steps.append(bool(self.manifest.get("rows_kernel")))
-        return original(self, *args)
-
-    monkeypatch.setattr(compiled_decoding.CompiledStep, "__call__", noting)
+    note_steps(monkeypatch, lambda step: kernel_steps.append(bool(step.manifest.get("rows_kernel"))))
     ids, mask = batch(seed=3, lengths=(7,))
     for settings in (dict(num_beams=1), dict(num_beams=6)):
         assert torch.equal(
@@ -1143,10 +1137,7 @@ def test_the_other_gemm_librarys_step(tmp_path, monkeypatch, caplog):
     model = VaswaniForConditionalGeneration.from_pretrained(folder)
     eager = eager_twin(folder)
     ran = []
-    original = compiled_decoding.CompiledStep.__call__
-    monkeypatch.setattr(
-        compiled_decoding.CompiledStep, "__call__", lambda self, *a: ran.append(1) or original(self, *a)
-    )
+    note_steps(monkeypatch, lambda step: ran.append(1))
     threads = torch.get_num_threads()
     try:
         for rows, beams, torch_threads in ((1, 1, 1), (1, 3, 1), (4, 1, 1), (4, 2, 1), (4, 16, 1), (4, 2, 2)):

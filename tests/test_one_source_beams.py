@@ -294,6 +294,62 @@ def test_a_batched_reordering_shared_between_threads_copies_what_pythons_does(pa
         torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("groups", [1, 2], ids=["one-source", "two-sources"])
+def test_followed_beams_decode_through_their_lineage_as_copied_ones(paths, groups):
+    """Beam search's reordering followed without a copy (`PositionSlots.follow`), the library's step reading each
+    row's earlier keys and values through its lineage (`RowsDecoder.session`): the same outputs, bit for bit, as the
+    step on copied rows, over reorderings that repeat and drop beams of each source; then copied in order
+    (`select_rows`), the same buffers."""
+    paths(True, lambda: None)  # the library loaded for the rest of the test
+    library = fast_decoding.beams_library()
+    if not library.decoder_rows_supported():
+        pytest.skip("the library's step needs AVX-512")
+    model = eos_prone_model()
+    config = model.config
+    decoder = compiled_decoding.RowsDecoder.of(model)
+    heads, d_k, d_v, layers = config.num_heads, config.d_k, config.d_v, config.num_decoder_layers
+    g = torch.Generator().manual_seed(groups)
+    k, source = 3, 5
+    rows = groups * k
+    cross_keys = [torch.randn(groups, heads, source, d_k, generator=g) for _ in range(layers)]
+    cross_values = [torch.randn(groups, heads, source, d_v, generator=g) for _ in range(layers)]
+    mask = torch.ones(groups, source, dtype=torch.long)
+    mask[1:, -2:] = 0
+    copied, followed = fast_decoding.PositionSlots(layers), fast_decoding.PositionSlots(layers)
+    session = decoder.session(cross_keys, cross_values, mask)
+    like = torch.zeros(1)
+    with torch.inference_mode():
+        for position in range(20):  # past the first growth of the buffers (16 positions)
+            tokens = torch.randint(4, config.vocab_size, (groups, k), generator=g)
+            keys, values = copied.views(rows, groups, heads, d_k, d_v, like)
+            expected = decoder(tokens, keys, values, cross_keys, cross_values, None, mask)
+            followed.make_room(rows, heads, d_k, d_v, like)
+            got = session.step(tokens, followed.keys, followed.values, followed.length, followed.lineage_for_step())
+            assert torch.equal(got, expected), position
+            copied.length += 1
+            followed.length += 1
+            # each row continues a beam of its own source: some repeated, some dropped
+            order = torch.randint(0, k, (groups, k), generator=g) + torch.arange(groups)[:, None] * k
+            copied.select_rows(order.view(-1))
+            assert followed.follow(order.view(-1))
+        assert followed.lineage is not None and not followed.follow(torch.arange(rows - 1))  # (fewer rows: a copy)
+        in_python = fast_decoding.PositionSlots(layers)  # the same copy by the Python loop's index_select
+        in_python.keys, in_python.values = followed.keys.clone(), followed.values.clone()
+        in_python.length, in_python.lineage = followed.length, followed.lineage.clone()
+        paths(False, in_python.select_rows, torch.arange(rows))
+        paths(True, followed.select_rows, torch.arange(rows))
+        assert followed.lineage is None and in_python.lineage is None
+        for slot in (followed, in_python):
+            for a, b in ((copied.keys, slot.keys), (copied.values, slot.values)):
+                assert torch.equal(a[:, : copied.length], b[:, : copied.length])
+        # a lineage that names another source's row, or a row past the rows, is refused before any work
+        followed.make_room(rows, heads, d_k, d_v, like)
+        lineage = followed.lineage_for_step()
+        lineage[0, 0] = rows if groups == 1 else k
+        with pytest.raises(RuntimeError, match="lineage row"):
+            session.step(tokens, followed.keys, followed.values, followed.length, lineage)
+
+
 def test_a_compiler_without_openmp_builds_the_library_without_it(tmp_path, monkeypatch):
     """`-fopenmp` refused (clang without libomp): the library is built again without the flag (its batched copies on
     one thread), not left out."""

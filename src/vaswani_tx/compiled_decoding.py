@@ -403,6 +403,17 @@ class RowsDecoder:
             ]
             for layer in decoder.layers
         )
+        # the tensors bound once for the decoding calls' sessions (`session`)
+        self.bound = library.RowsModel(
+            self.embedding, self.scale, self.positions, self.weights, self.quantized, self.heads, self.eps
+        )
+
+    def session(self, cross_keys, cross_values, source_mask):
+        """A decoding call's step over the whole buffers of its keys and values (fast_decoding.py's
+        `CompiledSession`): `step(tokens, keys, values, written, lineage)`, with this call's encoder-decoder keys and
+        values (per layer (G, h, S, d)) and source mask (G, S) passed once. A step's call then passes five arguments
+        where `__call__` passes some 120 tensors and views (20 us of a 0.4 ms step in passing alone)."""
+        return self.bound.session(list(cross_keys), list(cross_values), source_mask)
 
     @classmethod
     def of(cls, model: nn.Module) -> RowsDecoder | None:
@@ -418,11 +429,14 @@ class RowsDecoder:
             else None
         )
 
-    def __call__(self, tokens, self_keys, self_values, cross_keys, cross_values, sources, source_mask) -> torch.Tensor:
+    def __call__(
+        self, tokens, self_keys, self_values, cross_keys, cross_values, sources, source_mask, lineage=None
+    ) -> torch.Tensor:
+        """`lineage`: where each row's earlier keys and values are (fast_decoding.py's `PositionSlots.follow`)."""
         if self.quantized:
             return self.library.decoder_rows_int8(
                 tokens, self.embedding, self.scale, self.positions, self.weights, self.quantized,
-                self_keys, self_values, cross_keys, cross_values, source_mask, self.heads, self.eps,
+                self_keys, self_values, cross_keys, cross_values, source_mask, self.heads, self.eps, lineage,
             )  # fmt: skip
         return self.library.decoder_rows(
             tokens,
@@ -437,6 +451,7 @@ class RowsDecoder:
             source_mask,
             self.heads,
             self.eps,
+            lineage,
         )  # fmt: skip  (the library takes the tuples of tensors as they come)
 
 
@@ -631,9 +646,12 @@ class CompiledStep:
         self.checked = (places, versions)
         return True
 
-    def __call__(self, tokens, self_keys, self_values, cross_keys, cross_values, sources, source_mask) -> torch.Tensor:
+    def __call__(self, tokens, self_keys, self_values, cross_keys, cross_values, sources, source_mask, *lineage):
+        """The step's output; `lineage` (the library's step only) as `RowsDecoder` takes it."""
         if self.rows_decoder is not None:
-            return self.rows_decoder(tokens, self_keys, self_values, cross_keys, cross_values, sources, source_mask)
+            return self.rows_decoder(
+                tokens, self_keys, self_values, cross_keys, cross_values, sources, source_mask, *lineage
+            )
         if self.int8 is not None:
             int8_operator().layers = self.int8
         if self.few_rows is not None:

@@ -333,9 +333,14 @@ void stream_copy(char* to, const char* from, int64_t bytes) {
 // operations, 30-40 us a step for a few hundred kilobytes at a sentence a call. In batches the copy is tens of
 // megabytes a step, bound by memory: it is shared between torch's threads by (layer, position) and streamed
 // (`kStreamBytes`); in batches on two threads a single-threaded copy was 16% of decoding.
+//
+// With `lineage` (old rows, >= length), the buffers' rows are a beam search's followed without copying
+// (`PositionSlots.follow`): row r's vector at position p is in row lineage[r, p]. The copy then takes new row i's at p
+// from row lineage[rows[i], p], and its result is in order again.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> select_slots(
     const at::Tensor& keys, const at::Tensor& values, const std::optional<at::Tensor>& spare_keys,
-    const std::optional<at::Tensor>& spare_values, int64_t length, const at::Tensor& rows) {
+    const std::optional<at::Tensor>& spare_values, int64_t length, const at::Tensor& rows,
+    const std::optional<at::Tensor>& lineage) {
   const int64_t layers = keys.size(0), capacity = keys.size(1), old_rows = keys.size(2);
   TORCH_CHECK(rows.dim() == 1 && rows.scalar_type() == at::kLong && rows.device().is_cpu() && keys.device().is_cpu() &&
                   values.device().is_cpu(),
@@ -347,6 +352,23 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> select_slots(
     TORCH_CHECK(picked[i] >= 0 && picked[i] < old_rows, "select_slots: row ", picked[i], " of ", old_rows);
   }
   TORCH_CHECK(length <= capacity, "select_slots: ", length, " positions written, the buffers hold ", capacity);
+  // sources[i * positions + p]: the old row new row i takes at position p (`positions` 1 without a lineage: rows[i])
+  const int64_t positions = lineage.has_value() ? std::max<int64_t>(length, 1) : 1;
+  std::vector<int64_t> sources(count * positions);
+  if (lineage.has_value()) {
+    TORCH_CHECK(lineage->dim() == 2 && lineage->scalar_type() == at::kLong && lineage->size(0) == old_rows &&
+                    lineage->size(1) >= length && lineage->stride(1) == 1,
+                "select_slots: the lineage must be int64 (rows, positions written or more), unit stride in positions");
+    const int64_t* table = lineage->data_ptr<int64_t>();
+    for (int64_t i = 0; i < count; ++i)
+      for (int64_t p = 0; p < positions; ++p) {
+        const int64_t from = length ? table[picked[i] * lineage->stride(0) + p] : picked[i];
+        TORCH_CHECK(from >= 0 && from < old_rows, "select_slots: lineage row ", from, " of ", old_rows);
+        sources[i * positions + p] = from;
+      }
+  } else {
+    std::copy_n(picked, count, sources.begin());
+  }
   const int64_t slabs = layers * (length + 1);  // (layer, position) pairs, each `count` vectors
   int64_t total = 0;
   for (const auto* buffer : {&keys, &values}) {
@@ -376,10 +398,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> select_slots(
         const int64_t source = std::min(position, std::max<int64_t>(length - 1, 0));
         const char* row0 = from + ((layer * capacity + source) * old_rows) * vector;
         char* dst = to + slab * count * vector;
-        if (stream) {
-          for (int64_t i = 0; i < count; ++i) stream_copy(dst + i * vector, row0 + picked[i] * vector, vector);
-        } else {
-          for (int64_t i = 0; i < count; ++i) std::memcpy(dst + i * vector, row0 + picked[i] * vector, vector);
+        const int64_t column = std::min(source, positions - 1);
+        for (int64_t i = 0; i < count; ++i) {
+          const char* vector_from = row0 + sources[i * positions + column] * vector;
+          if (stream) {
+            stream_copy(dst + i * vector, vector_from, vector);
+          } else {
+            std::memcpy(dst + i * vector, vector_from, vector);
+          }
         }
       }
 #if defined(__SSE2__)
@@ -679,6 +705,14 @@ at::Tensor screened_choice(const at::Tensor& rows, const std::optional<at::Tenso
   return chosen;
 }
 
+constexpr int64_t kLayerTensors = 22;  // see `decoder_rows`
+constexpr int64_t kLayerProducts = 8;  // W^Q, W^K, W^V, W^O, the encoder-decoder W^Q and W^O, W_1, W_2
+
+void check_rows_tensor(const at::Tensor& t, const char* what) {
+  TORCH_CHECK(t.scalar_type() == at::kFloat && t.device().is_cpu() && t.stride(-1) == 1,
+              "decoder_rows: ", what, " must be float32 on the CPU with unit stride in its last dimension");
+}
+
 // ---- the decoder's step for a few rows (a sentence a call) ----------------------------------------------------------
 //
 // Why: at a sentence a call (beam search's 4-6 rows of one source, greedy's one) the decoder's step is its products'
@@ -776,22 +810,31 @@ __attribute__((target("avx512f"))) void add_scaled(float a, const float* x, floa
   for (; i < n; ++i) y[i] += a * x[i];
 }
 
+// Where attention finds position p's key or value: `stride` floats a position; with `rows` (a beam's lineage), in row
+// rows[p], `row_stride` floats a row.
+struct Positions {
+  int64_t stride;
+  const int64_t* rows = nullptr;
+  int64_t row_stride = 0;
+  int64_t at(int64_t p) const { return p * stride + (rows != nullptr ? rows[p] * row_stride : 0); }
+};
+
 // Equation 1 for one query and head: out (d_v) = softmax(q . k_p / sqrt(d_k)) . v_p over `count` keys and values
-// `stride` floats apart, those with valid[p] == 0 left out (an encoder-decoder mask; nullptr: none).
-void attend(const float* q, const float* keys, const float* values, int64_t count, int64_t key_stride,
-            int64_t value_stride, int64_t d_k, int64_t d_v, float scaling, const int64_t* valid, float* scores,
+// (found by `key_at` and `value_at`), those with valid[p] == 0 left out (an encoder-decoder mask; nullptr: none).
+void attend(const float* q, const float* keys, const float* values, int64_t count, const Positions& key_at,
+            const Positions& value_at, int64_t d_k, int64_t d_v, float scaling, const int64_t* valid, float* scores,
             float* out) {
   float top = -std::numeric_limits<float>::infinity();
   for (int64_t p = 0; p < count; ++p) {
     scores[p] = (valid != nullptr && valid[p] == 0) ? -std::numeric_limits<float>::infinity()
-                                                    : dot(q, keys + p * key_stride, d_k) * scaling;
+                                                    : dot(q, keys + key_at.at(p), d_k) * scaling;
     top = std::max(top, scores[p]);
   }
   float total = 0;
   for (int64_t p = 0; p < count; ++p) total += (scores[p] = std::exp(scores[p] - top));
   std::fill(out, out + d_v, 0.0f);
   for (int64_t p = 0; p < count; ++p)
-    if (scores[p] != 0) add_scaled(scores[p] / total, values + p * value_stride, out, d_v);
+    if (scores[p] != 0) add_scaled(scores[p] / total, values + value_at.at(p), out, d_v);
 }
 
 // x = LayerNorm(x + sublayer) over each of M rows of D (Section 3.1's residual connection and normalization).
@@ -810,14 +853,6 @@ void add_norm(float* x, const float* sublayer, int64_t M, int64_t D, const at::T
     const float inv = 1.0f / std::sqrt(squares / D + eps);
     for (int64_t d = 0; d < D; ++d) row[d] = (row[d] - mean) * inv * g[d] + b[d];
   }
-}
-
-constexpr int64_t kLayerTensors = 22;  // see `decoder_rows`
-constexpr int64_t kLayerProducts = 8;  // W^Q, W^K, W^V, W^O, the encoder-decoder W^Q and W^O, W_1, W_2
-
-void check_rows_tensor(const at::Tensor& t, const char* what) {
-  TORCH_CHECK(t.scalar_type() == at::kFloat && t.device().is_cpu() && t.stride(-1) == 1,
-              "decoder_rows: ", what, " must be float32 on the CPU with unit stride in its last dimension");
 }
 
 // Sections 3.4 and 3.5: out (D) = token `id`'s row of the shared matrix times `scale` (sqrt(d_model)), plus its
@@ -883,111 +918,244 @@ Products products_at(const std::vector<at::Tensor>& weights, const std::vector<a
 }
 #endif
 
+// Where one layer's self-attention keys (or values) of the step's rows are: position p, source g, row j (of k a
+// source), head a at base + p * position + g * source + j * row + a * head; `written` positions before this step's.
+struct Slots {
+  float* base;
+  int64_t position, source, row, head, written;
+  float* at(int64_t p, int64_t g, int64_t j, int64_t a) const {
+    return base + p * position + g * source + j * row + a * head;
+  }
+};
+
+// The slots of per-layer views (P + 1, G, k, h, d) (`PositionSlots.views`), whose last position is this step's.
+std::vector<Slots> view_slots(const std::vector<at::Tensor>& views, int64_t G, int64_t k) {
+  std::vector<Slots> out;
+  for (const at::Tensor& view : views) {
+    check_rows_tensor(view, "the keys and values");
+    TORCH_CHECK(view.dim() == 5 && view.size(1) == G && view.size(2) == k,
+                "decoder_rows: keys of another shape than the rows' and sources'");
+    TORCH_CHECK(view.size(0) == views[0].size(0), "decoder_rows: the layers' keys hold different numbers of positions");
+    out.push_back({view.data_ptr<float>(), view.stride(0), view.stride(1), view.stride(2), view.stride(3),
+                   view.size(0) - 1});
+  }
+  return out;
+}
+
+// The slots of all layers' buffer (layers, capacity, M, h, d) (`PositionSlots.keys`), `written` positions written
+// and room for this step's.
+std::vector<Slots> buffer_slots(const at::Tensor& buffer, int64_t written, int64_t M, int64_t k) {
+  check_rows_tensor(buffer, "the keys and values");
+  TORCH_CHECK(buffer.dim() == 5 && buffer.size(2) == M && written >= 0 && buffer.size(1) > written,
+              "decoder_rows: a buffer of keys or values without this step's slot for its ", M, " rows");
+  std::vector<Slots> out;
+  for (int64_t l = 0; l < buffer.size(0); ++l) {
+    out.push_back({buffer.data_ptr<float>() + l * buffer.stride(0), buffer.stride(1), k * buffer.stride(2),
+                   buffer.stride(2), buffer.stride(3), written});
+  }
+  return out;
+}
+
+// The model's tensors that the few-rows step and the encoder read (`RowsDecoder`, `RowsEncoder` in
+// compiled_decoding.py): the shared embedding matrix (V, D) times `scale`, every position's encoding (positions, D),
+// the layers' tensors (`weights`) and, for int8's products, their weight scales and shifted sums (`quantized`).
+// Made once a model: passing the ~100 tensors of a step from Python cost some 20 us a call (a step is 0.4 ms).
+struct RowsModel {
+  at::Tensor embedding, positions;
+  double scale;
+  std::vector<at::Tensor> weights, quantized;
+  int64_t heads;
+  double eps;
+};
+
 // The decoder's step for M = G * k rows (G sources, k rows each), `DecoderStep`'s function (compile_step.py): tokens
-// (G, k), this position's input of each row, embedded by `embedding` (V, D) times `scale` plus `positions` (rows, D)
-// at this position, P (the number of positions written so far); per layer 22 tensors: the self-attention's W^Q, W^K,
-// W^V, W^O and their biases (empty: none), its norm's weight and bias, the encoder-decoder attention's W^Q, W^O,
-// their biases and its norm's, W_1, b_1, W_2, b_2 and the last norm's; self_keys/self_values per layer
-// (P + 1, G, k, h, d), into whose slot P this position's are written; cross keys/values per layer (G, h, S, d); the
-// source mask (G, S), 0 at padding. Returns the decoder's output (M, D). `Products` computes each W's product (with
+// (G, k), this position's input of each row, embedded by the model's matrix times its scale plus its encoding of
+// position P (the number of positions written so far); per layer the model's 22 tensors: the self-attention's W^Q,
+// W^K, W^V, W^O and their biases (empty: none), its norm's weight and bias, the encoder-decoder attention's W^Q, W^O,
+// their biases and its norm's, W_1, b_1, W_2, b_2 and the last norm's; `self_keys`/`self_values` per layer, into
+// whose position P this position's are written; cross keys/values per layer (G, h, S, d); the source mask (G, S), 0
+// at padding; `lineage` (none, or (M, > P) int64): where each row's earlier keys and values are, its column P set to
+// the row itself. Returns the decoder's output (M, D). `Products` computes each W's product (with the model's
 // `quantized`, for int8's).
 #ifdef VASWANI_TX_AVX512
 template <class Products>
-at::Tensor decoder_step(const at::Tensor& tokens, const at::Tensor& embedding, double scale, const at::Tensor& positions,
-                        const std::vector<at::Tensor>& weights, const std::vector<at::Tensor>& quantized,
-                        const std::vector<at::Tensor>& self_keys, const std::vector<at::Tensor>& self_values,
-                        const std::vector<at::Tensor>& cross_keys, const std::vector<at::Tensor>& cross_values,
-                        const at::Tensor& source_mask, int64_t heads, double eps) {
+at::Tensor decoder_step(const at::Tensor& tokens, const RowsModel& model, const std::vector<Slots>& self_keys,
+                        const std::vector<Slots>& self_values, const std::vector<at::Tensor>& cross_keys,
+                        const std::vector<at::Tensor>& cross_values, const at::Tensor& source_mask,
+                        const std::optional<at::Tensor>& lineage, int64_t d_k, int64_t d_v) {
   TORCH_CHECK(kAvx512, "decoder_rows: this CPU lacks AVX-512");
-  const int64_t layers = static_cast<int64_t>(self_keys.size());
+  const std::vector<at::Tensor>& weights = model.weights;
+  const int64_t layers = static_cast<int64_t>(self_keys.size()), heads = model.heads;
   TORCH_CHECK(layers > 0 && source_mask.dim() == 2 && source_mask.size(0) > 0, "decoder_rows: no layers or no sources");
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == layers * kLayerTensors && self_values.size() == self_keys.size() &&
                   cross_keys.size() == self_keys.size() && cross_values.size() == self_keys.size(),
               "decoder_rows: ", kLayerTensors, " weights, keys and values for each layer");
-  check_rows_tensor(embedding, "the embedding matrix");
-  check_rows_tensor(positions, "the positional encodings");
+  const at::Tensor &embedding = model.embedding, &positions = model.positions;
   auto ids = tokens.to(at::kLong).contiguous();
   const int64_t M = ids.numel(), D = embedding.size(1);
-  const int64_t P = self_keys[0].size(0) - 1;  // this step's position
+  const int64_t P = self_keys[0].written;  // this step's position
   TORCH_CHECK(P < positions.size(0) && positions.size(1) == D, "decoder_rows: no positional encoding for position ", P);
   // Sections 3.4 and 3.5: the token's row of the shared matrix times sqrt(d_model), plus its position's encoding
   auto x = at::empty({M, D}, embedding.options());
   float* h = x.data_ptr<float>();
-  const float factor = static_cast<float>(scale);
+  const float factor = static_cast<float>(model.scale);
   const float* encoding = positions.data_ptr<float>() + P * positions.stride(0);
   const int64_t* id = ids.data_ptr<int64_t>();
   for (int64_t r = 0; r < M; ++r) embed(id[r], embedding, factor, encoding, h + r * D, "decoder_rows");
   auto mask = source_mask.to(at::kLong).contiguous();
   const int64_t G = mask.size(0), S = mask.size(1), k = M / G;
   TORCH_CHECK(G * k == M, "decoder_rows: ", M, " rows are not ", G, " sources' rows");
-  const int64_t d_k = self_keys[0].size(-1), d_v = self_values[0].size(-1);
   const float scaling = 1.0f / std::sqrt(static_cast<float>(d_k));
   auto products_of = [&](int64_t l) {
-    return products_at<Products>(weights, quantized, l * kLayerTensors, l * 2 * kLayerProducts);
+    return products_at<Products>(weights, model.quantized, l * kLayerTensors, l * 2 * kLayerProducts);
   };
   const int64_t F = products_of(0).out_features(16);
   std::vector<float> q(M * heads * d_k), attended(M * heads * d_v), out(M * D), inner(M * F),
-      scores(std::max<int64_t>(S, self_keys[0].size(0)));
+      scores(std::max<int64_t>(S, P + 1));
   std::vector<float> new_keys(M * heads * d_k), new_values(M * heads * d_v);
   const int64_t* valid = mask.data_ptr<int64_t>();
+  // A beam search followed without copying the keys and values (`PositionSlots.follow`): lineage (M, > P), row r's
+  // earlier positions in rows lineage[r, p]; its position P is its own row's, written here.
+  int64_t* rows_of = nullptr;
+  int64_t lineage_stride = 0;
+  if (lineage.has_value()) {
+    TORCH_CHECK(lineage->dim() == 2 && lineage->scalar_type() == at::kLong && lineage->device().is_cpu() &&
+                    lineage->size(0) == M && lineage->size(1) > P && lineage->stride(1) == 1,
+                "decoder_rows: the lineage must be int64 (rows, more than the positions written), unit stride");
+    for (const auto* slots : {&self_keys, &self_values})
+      for (const Slots& s : *slots)
+        TORCH_CHECK(s.source == k * s.row, "decoder_rows: a lineage needs each position's rows contiguous");
+    rows_of = lineage->data_ptr<int64_t>();
+    lineage_stride = lineage->stride(0);
+    for (int64_t r = 0; r < M; ++r) {
+      for (int64_t p = 0; p < P; ++p) {
+        const int64_t row = rows_of[r * lineage_stride + p];
+        TORCH_CHECK(row / k == r / k && row >= 0 && row < M, "decoder_rows: lineage row ", row, " for row ", r,
+                    " of ", k, " a source");
+      }
+      rows_of[r * lineage_stride + P] = r;
+    }
+  }
   for (int64_t l = 0; l < layers; ++l) {
     const at::Tensor* t = weights.data() + l * kLayerTensors;
     const Products product = products_of(l);
-    const at::Tensor &keys = self_keys[l], &values = self_values[l], &ck = cross_keys[l], &cv = cross_values[l];
-    for (const at::Tensor* tensor : {&keys, &values, &ck, &cv}) check_rows_tensor(*tensor, "the keys and values");
-    TORCH_CHECK(keys.dim() == 5 && keys.size(1) == G && keys.size(2) == k && ck.dim() == 4 && ck.size(0) == G &&
-                    ck.size(2) == S, "decoder_rows: keys of another shape than the rows' and sources'");
-    TORCH_CHECK(keys.size(0) == P + 1, "decoder_rows: the layers' keys hold different numbers of positions");
+    const Slots &keys = self_keys[l], &values = self_values[l];
+    const at::Tensor &ck = cross_keys[l], &cv = cross_values[l];
+    for (const at::Tensor* tensor : {&ck, &cv}) check_rows_tensor(*tensor, "the keys and values");
+    TORCH_CHECK(keys.written == P && values.written == P, "decoder_rows: the layers' keys hold different numbers of "
+                "positions");
+    TORCH_CHECK(ck.dim() == 4 && ck.size(0) == G && ck.size(2) == S && cv.dim() == 4 && cv.size(0) == G &&
+                    cv.size(2) == S, "decoder_rows: encoder-decoder keys of another shape than the sources'");
     // Masked self-attention: this position's keys and values into slot P, then each row attends to positions 0..P
     product(0, h, M, D, q.data(), false);
     product(2, h, M, D, new_keys.data(), false);
     product(4, h, M, D, new_values.data(), false);
-    float* key_base = keys.data_ptr<float>();
-    float* value_base = values.data_ptr<float>();
     for (int64_t r = 0; r < M; ++r)
       for (int64_t a = 0; a < heads; ++a) {
         const int64_t g = r / k, j = r % k;
-        float* key = key_base + g * keys.stride(1) + j * keys.stride(2) + a * keys.stride(3);
-        float* value = value_base + g * values.stride(1) + j * values.stride(2) + a * values.stride(3);
-        std::copy_n(new_keys.data() + (r * heads + a) * d_k, d_k, key + P * keys.stride(0));
-        std::copy_n(new_values.data() + (r * heads + a) * d_v, d_v, value + P * values.stride(0));
-        attend(q.data() + (r * heads + a) * d_k, key, value, P + 1, keys.stride(0), values.stride(0), d_k, d_v,
-               scaling, nullptr, scores.data(), attended.data() + (r * heads + a) * d_v);
+        std::copy_n(new_keys.data() + (r * heads + a) * d_k, d_k, keys.at(P, g, j, a));
+        std::copy_n(new_values.data() + (r * heads + a) * d_v, d_v, values.at(P, g, j, a));
+        // its earlier positions: its own row's, or with a lineage each position's row (counted from the first
+        // source's first row)
+        const float* query = q.data() + (r * heads + a) * d_k;
+        float* result = attended.data() + (r * heads + a) * d_v;
+        if (rows_of != nullptr) {
+          const int64_t* rows = rows_of + r * lineage_stride;
+          attend(query, keys.at(0, 0, 0, a), values.at(0, 0, 0, a), P + 1, {keys.position, rows, keys.row},
+                 {values.position, rows, values.row}, d_k, d_v, scaling, nullptr, scores.data(), result);
+        } else {
+          attend(query, keys.at(0, g, j, a), values.at(0, g, j, a), P + 1, {keys.position}, {values.position}, d_k,
+                 d_v, scaling, nullptr, scores.data(), result);
+        }
       }
     product(6, attended.data(), M, heads * d_v, out.data(), false);
-    add_norm(h, out.data(), M, D, t[8], t[9], static_cast<float>(eps));
+    add_norm(h, out.data(), M, D, t[8], t[9], static_cast<float>(model.eps));
     // Encoder-decoder attention: each row to its own source's S positions
     product(10, h, M, D, q.data(), false);
     for (int64_t r = 0; r < M; ++r)
       for (int64_t a = 0; a < heads; ++a) {
         const int64_t g = r / k;
         attend(q.data() + (r * heads + a) * d_k, ck.data_ptr<float>() + g * ck.stride(0) + a * ck.stride(1),
-               cv.data_ptr<float>() + g * cv.stride(0) + a * cv.stride(1), S, ck.stride(2), cv.stride(2), d_k, d_v,
+               cv.data_ptr<float>() + g * cv.stride(0) + a * cv.stride(1), S, {ck.stride(2)}, {cv.stride(2)}, d_k, d_v,
                scaling, valid + g * S, scores.data(), attended.data() + (r * heads + a) * d_v);
       }
     product(12, attended.data(), M, heads * d_v, out.data(), false);
-    add_norm(h, out.data(), M, D, t[14], t[15], static_cast<float>(eps));
+    add_norm(h, out.data(), M, D, t[14], t[15], static_cast<float>(model.eps));
     // The position-wise feed-forward network (Equation 2)
     product(16, h, M, D, inner.data(), true);
     product(18, inner.data(), M, F, out.data(), false);
-    add_norm(h, out.data(), M, D, t[20], t[21], static_cast<float>(eps));
+    add_norm(h, out.data(), M, D, t[20], t[21], static_cast<float>(model.eps));
   }
   return x;
 }
 #endif
 
-// The float32 step: per layer the 22 tensors above, each W (N, K) float32.
+// The model's tensors checked (`RowsModel`): int8 with `quantized` (each product's two).
+RowsModel rows_model(const at::Tensor& embedding, double scale, const at::Tensor& positions,
+                     std::vector<at::Tensor> weights, std::vector<at::Tensor> quantized, int64_t heads, double eps) {
+  check_rows_tensor(embedding, "the embedding matrix");
+  check_rows_tensor(positions, "the positional encodings");
+  TORCH_CHECK(quantized.empty() || quantized.size() * kLayerTensors == weights.size() * 2 * kLayerProducts,
+              "decoder_rows_int8: each layer's products need their scales and sums");
+  return {embedding, positions, scale, std::move(weights), std::move(quantized), heads, eps};
+}
+
+// One step through the model's float32 or int8 products.
+at::Tensor model_step(const at::Tensor& tokens, const RowsModel& model, const std::vector<Slots>& self_keys,
+                      const std::vector<Slots>& self_values, const std::vector<at::Tensor>& cross_keys,
+                      const std::vector<at::Tensor>& cross_values, const at::Tensor& source_mask,
+                      const std::optional<at::Tensor>& lineage) {
+#ifdef VASWANI_TX_AVX512
+  TORCH_CHECK(!cross_keys.empty(), "decoder_rows: no layers");
+  const int64_t d_k = cross_keys[0].size(-1), d_v = cross_values[0].size(-1);
+  if (!model.quantized.empty()) {
+    return decoder_step<Int8Products>(tokens, model, self_keys, self_values, cross_keys, cross_values, source_mask,
+                                      lineage, d_k, d_v);
+  }
+  return decoder_step<FloatProducts>(tokens, model, self_keys, self_values, cross_keys, cross_values, source_mask,
+                                     lineage, d_k, d_v);
+#else
+  TORCH_CHECK(false, "decoder_rows: built for a CPU without AVX-512");
+#endif
+}
+
+// A decoding call's step (`CompiledSession` in fast_decoding.py): the model's tensors and this call's sources'
+// encoder-decoder keys and values and mask, passed once; each step then passes the tokens, the session's buffers of
+// keys and values (`PositionSlots`) and their lineage.
+class RowsSession {
+ public:
+  RowsSession(std::shared_ptr<RowsModel> model, std::vector<at::Tensor> cross_keys, std::vector<at::Tensor> cross_values,
+              at::Tensor source_mask)
+      : model_(std::move(model)), cross_keys_(std::move(cross_keys)), cross_values_(std::move(cross_values)),
+        source_mask_(std::move(source_mask)) {}
+
+  // tokens (G, k); keys and values (layers, capacity, G * k, h, d) with `written` positions written, this step's
+  // slot beyond them.
+  at::Tensor step(const at::Tensor& tokens, const at::Tensor& keys, const at::Tensor& values, int64_t written,
+                  const std::optional<at::Tensor>& lineage) const {
+    const int64_t M = tokens.numel(), k = M / std::max<int64_t>(source_mask_.size(0), 1);
+    return model_step(tokens, *model_, buffer_slots(keys, written, M, k), buffer_slots(values, written, M, k),
+                      cross_keys_, cross_values_, source_mask_, lineage);
+  }
+
+ private:
+  std::shared_ptr<RowsModel> model_;
+  std::vector<at::Tensor> cross_keys_, cross_values_;
+  at::Tensor source_mask_;
+};
+
+// The float32 step on per-layer views (P + 1, G, k, h, d) of the keys and values: the model's 22 tensors a layer, each
+// W (N, K) float32 (`RowsDecoder` binds them once as a `RowsModel` for its sessions).
 at::Tensor decoder_rows(const at::Tensor& tokens, const at::Tensor& embedding, double scale, const at::Tensor& positions,
                         const std::vector<at::Tensor>& weights,
                         const std::vector<at::Tensor>& self_keys, const std::vector<at::Tensor>& self_values,
                         const std::vector<at::Tensor>& cross_keys, const std::vector<at::Tensor>& cross_values,
-                        const at::Tensor& source_mask, int64_t heads, double eps) {
-#ifdef VASWANI_TX_AVX512
-  return decoder_step<FloatProducts>(tokens, embedding, scale, positions, weights, {}, self_keys, self_values,
-                                     cross_keys, cross_values, source_mask, heads, eps);
-#else
-  TORCH_CHECK(false, "decoder_rows: built for a CPU without AVX-512");
-#endif
+                        const at::Tensor& source_mask, int64_t heads, double eps,
+                        const std::optional<at::Tensor>& lineage) {
+  const RowsModel model = rows_model(embedding, scale, positions, weights, {}, heads, eps);
+  const int64_t G = source_mask.size(0), k = tokens.numel() / std::max<int64_t>(G, 1);
+  return model_step(tokens, model, view_slots(self_keys, G, k), view_slots(self_values, G, k), cross_keys,
+                    cross_values, source_mask, lineage);
 }
 
 // The int8 step (`--int8`): the same 22 tensors a layer, each W the int8 few-rows kernel's packing of the layer's
@@ -999,15 +1167,12 @@ at::Tensor decoder_rows_int8(const at::Tensor& tokens, const at::Tensor& embeddi
                              const std::vector<at::Tensor>& quantized, const std::vector<at::Tensor>& self_keys,
                              const std::vector<at::Tensor>& self_values, const std::vector<at::Tensor>& cross_keys,
                              const std::vector<at::Tensor>& cross_values, const at::Tensor& source_mask, int64_t heads,
-                             double eps) {
-#ifdef VASWANI_TX_AVX512
-  TORCH_CHECK(quantized.size() * kLayerTensors == weights.size() * 2 * kLayerProducts,
-              "decoder_rows_int8: each layer's products need their scales and sums");
-  return decoder_step<Int8Products>(tokens, embedding, scale, positions, weights, quantized, self_keys,
-                                    self_values, cross_keys, cross_values, source_mask, heads, eps);
-#else
-  TORCH_CHECK(false, "decoder_rows_int8: built for a CPU without AVX-512");
-#endif
+                             double eps, const std::optional<at::Tensor>& lineage) {
+  TORCH_CHECK(!quantized.empty(), "decoder_rows_int8: each layer's products need their scales and sums");
+  const RowsModel model = rows_model(embedding, scale, positions, weights, quantized, heads, eps);
+  const int64_t G = source_mask.size(0), k = tokens.numel() / std::max<int64_t>(G, 1);
+  return model_step(tokens, model, view_slots(self_keys, G, k), view_slots(self_values, G, k), cross_keys,
+                    cross_values, source_mask, lineage);
 }
 
 // ---- the encoder for one source (a sentence a call) -----------------------------------------------------------------
@@ -1062,7 +1227,7 @@ std::vector<at::Tensor> encoder_pass(const at::Tensor& ids, const at::Tensor& em
     product(4, h, S, D, values.data(), false);
     for (int64_t r = 0; r < S; ++r)
       for (int64_t a = 0; a < heads; ++a)
-        attend(q.data() + r * width_k + a * d_k, keys.data() + a * d_k, values.data() + a * d_v, S, width_k, width_v,
+        attend(q.data() + r * width_k + a * d_k, keys.data() + a * d_k, values.data() + a * d_v, S, {width_k}, {width_v},
                d_k, d_v, scaling, nullptr, scores.data(), attended.data() + r * width_v + a * d_v);
     product(6, attended.data(), S, width_v, out.data(), false);
     add_norm(h, out.data(), S, D, t[8], t[9], static_cast<float>(eps));
@@ -1137,6 +1302,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("running_ids", &OneSourceBeams::running_ids)
       .def("result", &OneSourceBeams::result)
       .def_property_readonly("cur_len", &OneSourceBeams::cur_len);
+  pybind11::class_<RowsModel, std::shared_ptr<RowsModel>>(m, "RowsModel")
+      .def(pybind11::init([](const at::Tensor& embedding, double scale, const at::Tensor& positions,
+                             std::vector<at::Tensor> weights, std::vector<at::Tensor> quantized, int64_t heads,
+                             double eps) {
+        return std::make_shared<RowsModel>(
+            rows_model(embedding, scale, positions, std::move(weights), std::move(quantized), heads, eps));
+      }))
+      .def("session", [](const std::shared_ptr<RowsModel>& model, std::vector<at::Tensor> cross_keys,
+                         std::vector<at::Tensor> cross_values, at::Tensor source_mask) {
+        return RowsSession(model, std::move(cross_keys), std::move(cross_values), std::move(source_mask));
+      });
+  pybind11::class_<RowsSession>(m, "RowsSession").def("step", &RowsSession::step);
   m.def("select_slots", &select_slots);
   m.def("slot_views", &slot_views);
   m.def("screened_logits", &screened_logits);
