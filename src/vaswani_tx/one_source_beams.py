@@ -18,7 +18,9 @@ And it holds the few-rows decoder step (`decoder_rows`, and `decoder_rows_int8` 
 compiled_decoding.py's `RowsDecoder` calls): a sentence a call's whole step in one call, its products reading the
 model's own weights once for all the rows (int8's through the int8 few-rows kernel, int8_rows.py); and the encoder of
 one source (`encoder_rows`, `encoder_rows_int8`: `RowsEncoder`, which an int8 model's sentence a call takes), the same
-function as the compiled encoder, on the same products.
+function as the compiled encoder, on the same products. A decoding call's steps go through a `RowsSession`
+(`RowsDecoder.session`), which holds the model's tensors and the call's encoder-decoder keys and values, and follows
+beam search's reordering through each row's lineage rather than copying the keys and values (`PositionSlots.follow`).
 """
 
 from __future__ import annotations
