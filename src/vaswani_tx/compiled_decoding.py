@@ -429,14 +429,11 @@ class RowsDecoder:
             else None
         )
 
-    def __call__(
-        self, tokens, self_keys, self_values, cross_keys, cross_values, sources, source_mask, lineage=None
-    ) -> torch.Tensor:
-        """`lineage`: where each row's earlier keys and values are (fast_decoding.py's `PositionSlots.follow`)."""
+    def __call__(self, tokens, self_keys, self_values, cross_keys, cross_values, sources, source_mask) -> torch.Tensor:
         if self.quantized:
             return self.library.decoder_rows_int8(
                 tokens, self.embedding, self.scale, self.positions, self.weights, self.quantized,
-                self_keys, self_values, cross_keys, cross_values, source_mask, self.heads, self.eps, lineage,
+                self_keys, self_values, cross_keys, cross_values, source_mask, self.heads, self.eps,
             )  # fmt: skip
         return self.library.decoder_rows(
             tokens,
@@ -451,7 +448,6 @@ class RowsDecoder:
             source_mask,
             self.heads,
             self.eps,
-            lineage,
         )  # fmt: skip  (the library takes the tuples of tensors as they come)
 
 
@@ -646,12 +642,9 @@ class CompiledStep:
         self.checked = (places, versions)
         return True
 
-    def __call__(self, tokens, self_keys, self_values, cross_keys, cross_values, sources, source_mask, *lineage):
-        """The step's output; `lineage` (the library's step only) as `RowsDecoder` takes it."""
+    def __call__(self, tokens, self_keys, self_values, cross_keys, cross_values, sources, source_mask) -> torch.Tensor:
         if self.rows_decoder is not None:
-            return self.rows_decoder(
-                tokens, self_keys, self_values, cross_keys, cross_values, sources, source_mask, *lineage
-            )
+            return self.rows_decoder(tokens, self_keys, self_values, cross_keys, cross_values, sources, source_mask)
         if self.int8 is not None:
             int8_operator().layers = self.int8
         if self.few_rows is not None:

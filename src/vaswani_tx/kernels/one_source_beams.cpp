@@ -1150,12 +1150,11 @@ at::Tensor decoder_rows(const at::Tensor& tokens, const at::Tensor& embedding, d
                         const std::vector<at::Tensor>& weights,
                         const std::vector<at::Tensor>& self_keys, const std::vector<at::Tensor>& self_values,
                         const std::vector<at::Tensor>& cross_keys, const std::vector<at::Tensor>& cross_values,
-                        const at::Tensor& source_mask, int64_t heads, double eps,
-                        const std::optional<at::Tensor>& lineage) {
+                        const at::Tensor& source_mask, int64_t heads, double eps) {
   const RowsModel model = rows_model(embedding, scale, positions, weights, {}, heads, eps);
   const int64_t G = source_mask.size(0), k = tokens.numel() / std::max<int64_t>(G, 1);
   return model_step(tokens, model, view_slots(self_keys, G, k), view_slots(self_values, G, k), cross_keys,
-                    cross_values, source_mask, lineage);
+                    cross_values, source_mask, std::nullopt);
 }
 
 // The int8 step (`--int8`): the same 22 tensors a layer, each W the int8 few-rows kernel's packing of the layer's
@@ -1167,12 +1166,12 @@ at::Tensor decoder_rows_int8(const at::Tensor& tokens, const at::Tensor& embeddi
                              const std::vector<at::Tensor>& quantized, const std::vector<at::Tensor>& self_keys,
                              const std::vector<at::Tensor>& self_values, const std::vector<at::Tensor>& cross_keys,
                              const std::vector<at::Tensor>& cross_values, const at::Tensor& source_mask, int64_t heads,
-                             double eps, const std::optional<at::Tensor>& lineage) {
+                             double eps) {
   TORCH_CHECK(!quantized.empty(), "decoder_rows_int8: each layer's products need their scales and sums");
   const RowsModel model = rows_model(embedding, scale, positions, weights, quantized, heads, eps);
   const int64_t G = source_mask.size(0), k = tokens.numel() / std::max<int64_t>(G, 1);
   return model_step(tokens, model, view_slots(self_keys, G, k), view_slots(self_values, G, k), cross_keys,
-                    cross_values, source_mask, lineage);
+                    cross_values, source_mask, std::nullopt);
 }
 
 // ---- the encoder for one source (a sentence a call) -----------------------------------------------------------------
