@@ -365,6 +365,10 @@ def test_the_librarys_decoder_step_takes_relu_models_only(compiled_folder):
         model.model.decoder.layers[0].feed_forward.w_1.weight.data.t().contiguous().t()
     )
     assert compiled_decoding.RowsDecoder.of(model) is None
+    model = VaswaniForConditionalGeneration.from_pretrained(compiled_folder)  # an embedding matrix of another layout
+    embedding = model.get_decoder().embeddings.embed_tokens.weight
+    embedding.data = embedding.data.t().contiguous().t()
+    assert compiled_decoding.RowsDecoder.of(model) is None
 
 
 def step_copies(inputs: tuple) -> list[tuple]:

@@ -348,6 +348,10 @@ def test_followed_beams_decode_through_their_lineage_as_copied_ones(paths, group
         lineage[0, 0] = rows if groups == 1 else k
         with pytest.raises(RuntimeError, match="lineage row"):
             session.step(tokens, followed.keys, followed.values, followed.length, lineage)
+        # and so are buffers of another depth than the model's keys
+        narrow = torch.zeros(*followed.keys.shape[:4], d_k - 1)
+        with pytest.raises(RuntimeError, match="heads of"):
+            session.step(tokens, narrow, followed.values, followed.length, None)
 
 
 def test_a_compiler_without_openmp_builds_the_library_without_it(tmp_path, monkeypatch):

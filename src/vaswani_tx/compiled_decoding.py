@@ -403,16 +403,18 @@ class RowsDecoder:
             ]
             for layer in decoder.layers
         )
-        # the tensors bound once for the decoding calls' sessions (`session`)
-        self.bound = library.RowsModel(
-            self.embedding, self.scale, self.positions, self.weights, self.quantized, self.heads, self.eps
-        )
+        self.bound = None  # the tensors bound once for the decoding calls' sessions (`session`)
 
     def session(self, cross_keys, cross_values, source_mask):
         """A decoding call's step over the whole buffers of its keys and values (fast_decoding.py's
         `CompiledSession`): `step(tokens, keys, values, written, lineage)`, with this call's encoder-decoder keys and
         values (per layer (G, h, S, d)) and source mask (G, S) passed once. A step's call then passes five arguments
-        where `__call__` passes some 120 tensors and views (20 us of a 0.4 ms step in passing alone)."""
+        where `__call__` passes some 120 tensors and views (20 us of a 0.4 ms step in passing alone). The model's
+        tensors are bound at the first session (`of` has checked them by then)."""
+        if self.bound is None:
+            self.bound = self.library.RowsModel(
+                self.embedding, self.scale, self.positions, self.weights, self.quantized, self.heads, self.eps
+            )
         return self.bound.session(list(cross_keys), list(cross_values), source_mask)
 
     @classmethod

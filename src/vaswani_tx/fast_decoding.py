@@ -1036,7 +1036,7 @@ class PositionSlots:
 
     def follow(self, rows: torch.Tensor) -> bool:
         """Beam search's reordering without a copy, where the rows stay as many and the step reads through the
-        lineage (`decoder_rows`): the new rows' lineages are those of the rows they continue. At a sentence a call the
+        lineage (the library's `RowsSession.step`): the new rows' lineages are those of the rows they continue. At a sentence a call the
         copy of every written position (`select_rows`) was 35 us a step, some 8% of an int8 step (main job's model,
         beam 4, Intel Xeon); attention then reads each position's vector from the row the lineage names. Returns
         whether it applied (else nothing is changed)."""

@@ -919,10 +919,11 @@ Products products_at(const std::vector<at::Tensor>& weights, const std::vector<a
 #endif
 
 // Where one layer's self-attention keys (or values) of the step's rows are: position p, source g, row j (of k a
-// source), head a at base + p * position + g * source + j * row + a * head; `written` positions before this step's.
+// source), head a at base + p * position + g * source + j * row + a * head; `written` positions before this step's;
+// `heads` heads of `depth` floats.
 struct Slots {
   float* base;
-  int64_t position, source, row, head, written;
+  int64_t position, source, row, head, written, heads, depth;
   float* at(int64_t p, int64_t g, int64_t j, int64_t a) const {
     return base + p * position + g * source + j * row + a * head;
   }
@@ -937,7 +938,7 @@ std::vector<Slots> view_slots(const std::vector<at::Tensor>& views, int64_t G, i
                 "decoder_rows: keys of another shape than the rows' and sources'");
     TORCH_CHECK(view.size(0) == views[0].size(0), "decoder_rows: the layers' keys hold different numbers of positions");
     out.push_back({view.data_ptr<float>(), view.stride(0), view.stride(1), view.stride(2), view.stride(3),
-                   view.size(0) - 1});
+                   view.size(0) - 1, view.size(3), view.size(4)});
   }
   return out;
 }
@@ -951,7 +952,7 @@ std::vector<Slots> buffer_slots(const at::Tensor& buffer, int64_t written, int64
   std::vector<Slots> out;
   for (int64_t l = 0; l < buffer.size(0); ++l) {
     out.push_back({buffer.data_ptr<float>() + l * buffer.stride(0), buffer.stride(1), k * buffer.stride(2),
-                   buffer.stride(2), buffer.stride(3), written});
+                   buffer.stride(2), buffer.stride(3), written, buffer.size(3), buffer.size(4)});
   }
   return out;
 }
@@ -1046,6 +1047,10 @@ at::Tensor decoder_step(const at::Tensor& tokens, const RowsModel& model, const 
                 "positions");
     TORCH_CHECK(ck.dim() == 4 && ck.size(0) == G && ck.size(2) == S && cv.dim() == 4 && cv.size(0) == G &&
                     cv.size(2) == S, "decoder_rows: encoder-decoder keys of another shape than the sources'");
+    TORCH_CHECK(keys.heads == heads && values.heads == heads && ck.size(1) == heads && cv.size(1) == heads &&
+                    keys.depth == d_k && ck.size(3) == d_k && values.depth == d_v && cv.size(3) == d_v,
+                "decoder_rows: keys and values of ", heads, " heads of ", d_k, " and ", d_v,
+                " floats, as the encoder-decoder keys and values and the model");
     // Masked self-attention: this position's keys and values into slot P, then each row attends to positions 0..P
     product(0, h, M, D, q.data(), false);
     product(2, h, M, D, new_keys.data(), false);
