@@ -294,12 +294,12 @@ def test_a_batched_reordering_shared_between_threads_copies_what_pythons_does(pa
         torch.set_num_threads(threads)
 
 
-@pytest.mark.parametrize("groups", [1, 2], ids=["one-source", "two-sources"])
+@pytest.mark.parametrize("groups", [1, 3], ids=["one-source", "three-sources"])
 def test_followed_beams_decode_through_their_lineage_as_copied_ones(paths, groups):
     """Beam search's reordering followed without a copy (`PositionSlots.follow`), the library's step reading each
     row's earlier keys and values through its lineage (`RowsDecoder.session`): the same outputs, bit for bit, as the
-    step on copied rows, over reorderings that repeat and drop beams of each source; then copied in order
-    (`select_rows`), the same buffers."""
+    step on copied rows, over reorderings that repeat and drop beams of each source, and with three sources after
+    the first has finished (its rows left in the buffers); then copied in order (`select_rows`), the same buffers."""
     paths(True, lambda: None)  # the library loaded for the rest of the test
     library = fast_decoding.beams_library()
     if not library.decoder_rows_supported():
@@ -319,7 +319,14 @@ def test_followed_beams_decode_through_their_lineage_as_copied_ones(paths, group
     session = decoder.session(cross_keys, cross_values, mask)
     like = torch.zeros(1)
     with torch.inference_mode():
-        for position in range(20):  # past the first growth of the buffers (16 positions)
+        for position in range(24):  # past the first growth of the buffers (16 positions)
+            if position == 12 and groups > 1:  # the first source finished: its rows leave, kept in the buffers
+                kept = torch.arange(k, rows)
+                copied.select_rows(kept)
+                assert followed.follow(kept) and followed.keys.shape[2] == rows
+                groups, rows, mask = groups - 1, rows - k, mask[1:]
+                cross_keys, cross_values = [c[1:] for c in cross_keys], [c[1:] for c in cross_values]
+                session = decoder.session(cross_keys, cross_values, mask)
             tokens = torch.randint(4, config.vocab_size, (groups, k), generator=g)
             keys, values = copied.views(rows, groups, heads, d_k, d_v, like)
             expected = decoder(tokens, keys, values, cross_keys, cross_values, None, mask)
@@ -332,7 +339,10 @@ def test_followed_beams_decode_through_their_lineage_as_copied_ones(paths, group
             order = torch.randint(0, k, (groups, k), generator=g) + torch.arange(groups)[:, None] * k
             copied.select_rows(order.view(-1))
             assert followed.follow(order.view(-1))
-        assert followed.lineage is not None and not followed.follow(torch.arange(rows - 1))  # (fewer rows: a copy)
+        # (the buffers grew at 16 positions: the rows that left were copied out then)
+        assert followed.keys.shape[2] == rows
+        held = followed.keys.shape[2]
+        assert followed.lineage is not None and not followed.follow(torch.arange(held // 2))  # (half left: a copy)
         in_python = fast_decoding.PositionSlots(layers)  # the same copy by the Python loop's index_select
         in_python.keys, in_python.values = followed.keys.clone(), followed.values.clone()
         in_python.length, in_python.lineage = followed.length, followed.lineage.clone()

@@ -536,7 +536,9 @@ class CompiledStep:
         self.own_weights = self.few_rows is not None or manifest.get("part") == "encoder"
         self.embedding: torch.Tensor | None = None
         self.own: dict | None = None
-        self.rows_decoder: RowsDecoder | None = None  # the float32 few-rows step's, where the library has it
+        # the library's step doing this step's work, where it has it: the float32 and int8 few-rows steps', the float32
+        # batched step's on oneMKL (`batched_on_library`)
+        self.rows_decoder: RowsDecoder | None = None
         self.released = False  # the model's plain pages of the tensors it copies, given back (fast_decoding.py)
         self.refused: tuple | None = None  # a copy's tensors found to be other weights than its own (`usable`)
         # (the model's `TensorPlaces`, `_versions`) when `usable` last said yes: while both are the same, so is its
@@ -580,6 +582,11 @@ class CompiledStep:
             if self.rows_decoder is not None:  # bound to the model's own tensors as the step is
                 self.bound, self.int8 = _identity(model), [module for _, module in int8_layers(model)]
                 return
+        if self.batched_on_library():
+            self.rows_decoder = RowsDecoder.of(model)
+            if self.rows_decoder is not None:  # the model's own tensors, as the compiled step's
+                self.bound = _identity(model)
+                return
         tensors = step_tensors(model)
         if self.own_weights and self.own is None:
             from safetensors import safe_open
@@ -599,6 +606,22 @@ class CompiledStep:
             self.embedding = self.embedding_table(model)
         if self.int8 is not None:
             self.int8 = [module for _, module in int8_layers(model)]
+
+    def batched_on_library(self) -> bool:
+        """Whether the float32 batched step's work goes through the beam-search library's step (`RowsDecoder`) where
+        that has it: where the compiled step's products are oneMKL's (Intel CPUs: `gemm_backend`), as the library's
+        are at many rows. Both take 53 us a row at 256-750 rows (the main job's model, one thread, Intel Xeon); the
+        library's reads beam search's reordering, and the rows left once sources finish, through lineages
+        (`PositionSlots.follow`), where the compiled step's views need the rows copied in order, 0.5 s of a 6.9 s pass
+        of Multi30k val in batches, beam 4. Where oneDNN computes the products (other x86 CPUs) the compiled step
+        stays."""
+        return (
+            self.few_rows is None
+            and self.int8 is None
+            and self.dtype == torch.float32
+            and self.manifest.get("part") != "encoder"
+            and self.manifest.get("gemm", "mkl") == "mkl"
+        )
 
     @staticmethod
     def embedding_table(model: nn.Module) -> torch.Tensor:
@@ -908,12 +931,12 @@ def attach(model: nn.Module, folder: str | os.PathLike) -> None:
     step), where there is one and it fits. The folder is kept, so that a model converted later (`.to(torch.bfloat16)`,
     `.float()`) gets the step for its new dtype (`step_for_dtype`)."""
     found = Path(folder).is_dir()
+    if found:  # beam search's bookkeeping in C++, where `vaswani-tx compile` built it: first, as the float32 batched
+        load_beams_library(folder)  # step's work may be its step's (`CompiledStep.batched_on_library`)
     model._compiled_step = load_compiled_step(model, folder) if found else None
     model._compiled_folder = str(folder) if found else None
     model._compiled_steps = {precision(model): model._compiled_step}  # the steps loaded so far, by precision
     model._compiled_for = next(model.parameters()).dtype
-    if found:
-        load_beams_library(folder)  # beam search's bookkeeping in C++, where `vaswani-tx compile` built it
 
 
 def step_for_dtype(model: nn.Module) -> CompiledStep | None:

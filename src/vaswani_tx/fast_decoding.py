@@ -998,6 +998,8 @@ class PositionSlots:
         """Room in the buffers for this step's position (the `length` written ones kept)."""
         end = self.length + 1
         if self.keys is None or self.keys.shape[1] < end:
+            if self.lineage is not None and self.keys.shape[2] != rows:  # (rows left: the grown buffers hold the rest)
+                self.select_rows(torch.arange(rows))
             self.keys, self.values = (
                 self._grown(buffer, end, rows, heads, depth, like)
                 for buffer, depth in ((self.keys, d_k), (self.values, d_v))
@@ -1026,7 +1028,7 @@ class PositionSlots:
     def lineage_for_step(self) -> torch.Tensor:
         """The lineage (rows, more than the positions written) that this step's call reads and writes its column
         of: each row's own at every position until `follow` reorders the rows."""
-        rows = self.keys.shape[2]
+        rows = self.keys.shape[2] if self.lineage is None else self.lineage.shape[0]
         if self.lineage is None or self.lineage.shape[1] <= self.length:
             lineage = torch.arange(rows).unsqueeze(1).expand(rows, self.keys.shape[1]).contiguous()
             if self.lineage is not None:
@@ -1035,12 +1037,14 @@ class PositionSlots:
         return self.lineage
 
     def follow(self, rows: torch.Tensor) -> bool:
-        """Beam search's reordering without a copy, where the rows stay as many and the step reads through the
-        lineage (the library's `RowsSession.step`): the new rows' lineages are those of the rows they continue. At a sentence a call the
-        copy of every written position (`select_rows`) was 35 us a step, some 8% of an int8 step (main job's model,
-        beam 4, Intel Xeon); attention then reads each position's vector from the row the lineage names. Returns
-        whether it applied (else nothing is changed)."""
-        if self.keys is None or rows.numel() != self.keys.shape[2]:
+        """Beam search's reordering, or the rows of the sources not finished, without a copy, where the step reads
+        through the lineage (the library's `RowsSession.step`): the new rows' lineages are those of the rows they
+        continue. At a sentence a call the copy of every written position (`select_rows`) was 35 us a step, some 8%
+        of an int8 step (main job's model, beam 4, Intel Xeon); in batches the copies were 0.5 s of a 6.9 s pass of
+        Multi30k val. Attention then reads each position's vector from the row the lineage names. Rows that left
+        stay in the buffers until fewer than half of their rows are left (then copied, as where rows multiply: beam
+        search's first step) or the buffers grow. Returns whether it applied (else nothing is changed)."""
+        if self.keys is None or not self.keys.shape[2] // 2 < rows.numel() <= self.keys.shape[2]:
             return False
         self.lineage = self.lineage_for_step().index_select(0, rows)
         return True
@@ -1158,7 +1162,7 @@ class CompiledSession:
         self.cross.select_rows(sources)
         self.library_step = None  # (its session holds the sources' keys and values)
         rows = sources if rows is None else rows
-        self.slots.select_rows(rows)
+        self.reorder(rows)
         self.fewer_rows(rows.numel())
 
     def fewer_rows(self, count: int) -> None:

@@ -334,9 +334,10 @@ void stream_copy(char* to, const char* from, int64_t bytes) {
 // megabytes a step, bound by memory: it is shared between torch's threads by (layer, position) and streamed
 // (`kStreamBytes`); in batches on two threads a single-threaded copy was 16% of decoding.
 //
-// With `lineage` (old rows, >= length), the buffers' rows are a beam search's followed without copying
-// (`PositionSlots.follow`): row r's vector at position p is in row lineage[r, p]. The copy then takes new row i's at p
-// from row lineage[rows[i], p], and its result is in order again.
+// With `lineage` (rows, >= length), the buffers' rows are a beam search's followed without copying
+// (`PositionSlots.follow`): row r's vector at position p is in row lineage[r, p] (of the buffers' old rows, as many or
+// more: rows that left stay until the copy). The copy then takes new row i's at p from row lineage[rows[i], p], and
+// its result is in order again.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> select_slots(
     const at::Tensor& keys, const at::Tensor& values, const std::optional<at::Tensor>& spare_keys,
     const std::optional<at::Tensor>& spare_values, int64_t length, const at::Tensor& rows,
@@ -348,15 +349,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> select_slots(
   const auto order = rows.contiguous();
   const int64_t* picked = order.data_ptr<int64_t>();
   const int64_t count = order.numel();
+  // the rows picked from: the buffers', or the lineage's (fewer where rows have left a followed beam search)
+  const int64_t among = lineage.has_value() ? lineage->size(0) : old_rows;
   for (int64_t i = 0; i < count; ++i) {
-    TORCH_CHECK(picked[i] >= 0 && picked[i] < old_rows, "select_slots: row ", picked[i], " of ", old_rows);
+    TORCH_CHECK(picked[i] >= 0 && picked[i] < among, "select_slots: row ", picked[i], " of ", among);
   }
   TORCH_CHECK(length <= capacity, "select_slots: ", length, " positions written, the buffers hold ", capacity);
   // sources[i * positions + p]: the old row new row i takes at position p (`positions` 1 without a lineage: rows[i])
   const int64_t positions = lineage.has_value() ? std::max<int64_t>(length, 1) : 1;
   std::vector<int64_t> sources(count * positions);
   if (lineage.has_value()) {
-    TORCH_CHECK(lineage->dim() == 2 && lineage->scalar_type() == at::kLong && lineage->size(0) == old_rows &&
+    TORCH_CHECK(lineage->dim() == 2 && lineage->scalar_type() == at::kLong && lineage->size(0) <= old_rows &&
                     lineage->size(1) >= length && lineage->stride(1) == 1,
                 "select_slots: the lineage must be int64 (rows, positions written or more), unit stride in positions");
     const int64_t* table = lineage->data_ptr<int64_t>();
@@ -821,9 +824,53 @@ struct Positions {
 
 // Equation 1 for one query and head: out (d_v) = softmax(q . k_p / sqrt(d_k)) . v_p over `count` keys and values
 // (found by `key_at` and `value_at`), those with valid[p] == 0 left out (an encoder-decoder mask; nullptr: none).
+//
+// Where d_k and d_v are whole vectors of 16 floats, up to 128 (`attend_in_registers`), q and the weighted sum stay in
+// registers across the positions: in batches, the loads and stores of `dot` and `add_scaled` a position made the
+// loops 6% of a pass (hundreds of rows, Multi30k val, beam 4, one thread). The sums are the same, in the same order.
+template <int K, int V>
+__attribute__((target("avx512f"))) void attend_in_registers(const float* q, const float* keys, const float* values,
+                                                            int64_t count, const Positions& key_at,
+                                                            const Positions& value_at, float scaling,
+                                                            const int64_t* valid, float* scores, float* out) {
+  __m512 query[K], sum[V];
+  for (int i = 0; i < K; ++i) query[i] = _mm512_loadu_ps(q + 16 * i);
+  float top = -std::numeric_limits<float>::infinity();
+  for (int64_t p = 0; p < count; ++p) {
+    if (valid != nullptr && valid[p] == 0) {
+      scores[p] = -std::numeric_limits<float>::infinity();
+      continue;
+    }
+    const float* key = keys + key_at.at(p);
+    __m512 acc = _mm512_setzero_ps();
+    for (int i = 0; i < K; ++i) acc = _mm512_fmadd_ps(query[i], _mm512_loadu_ps(key + 16 * i), acc);
+    scores[p] = _mm512_reduce_add_ps(acc) * scaling;
+    top = std::max(top, scores[p]);
+  }
+  float total = 0;
+  for (int64_t p = 0; p < count; ++p) total += (scores[p] = std::exp(scores[p] - top));
+  for (int i = 0; i < V; ++i) sum[i] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < count; ++p) {
+    if (scores[p] == 0) continue;
+    const __m512 weight = _mm512_set1_ps(scores[p] / total);
+    const float* value = values + value_at.at(p);
+    for (int i = 0; i < V; ++i) sum[i] = _mm512_fmadd_ps(weight, _mm512_loadu_ps(value + 16 * i), sum[i]);
+  }
+  for (int i = 0; i < V; ++i) _mm512_storeu_ps(out + 16 * i, sum[i]);
+}
+
 void attend(const float* q, const float* keys, const float* values, int64_t count, const Positions& key_at,
             const Positions& value_at, int64_t d_k, int64_t d_v, float scaling, const int64_t* valid, float* scores,
             float* out) {
+  if (d_k == d_v && d_k % 16 == 0 && d_k <= 128) {
+    switch (d_k / 16) {
+      case 1: return attend_in_registers<1, 1>(q, keys, values, count, key_at, value_at, scaling, valid, scores, out);
+      case 2: return attend_in_registers<2, 2>(q, keys, values, count, key_at, value_at, scaling, valid, scores, out);
+      case 4: return attend_in_registers<4, 4>(q, keys, values, count, key_at, value_at, scaling, valid, scores, out);
+      case 8: return attend_in_registers<8, 8>(q, keys, values, count, key_at, value_at, scaling, valid, scores, out);
+      default: break;
+    }
+  }
   float top = -std::numeric_limits<float>::infinity();
   for (int64_t p = 0; p < count; ++p) {
     scores[p] = (valid != nullptr && valid[p] == 0) ? -std::numeric_limits<float>::infinity()
@@ -837,22 +884,55 @@ void attend(const float* q, const float* keys, const float* values, int64_t coun
     if (scores[p] != 0) add_scaled(scores[p] / total, values + value_at.at(p), out, d_v);
 }
 
+// One row of `add_norm` of whole vectors of 16 floats: its sums 16 lanes at a time (in batches the scalar loops,
+// each sum a chain of D additions, were 1.6% of a pass of Multi30k val).
+__attribute__((target("avx512f"))) void add_norm_row(float* row, const float* add, int64_t D, const float* g,
+                                                     const float* b, float eps) {
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t d = 0; d < D; d += 16) {
+    const __m512 v = _mm512_add_ps(_mm512_loadu_ps(row + d), _mm512_loadu_ps(add + d));
+    _mm512_storeu_ps(row + d, v);
+    sum = _mm512_add_ps(sum, v);
+  }
+  const __m512 mean = _mm512_set1_ps(_mm512_reduce_add_ps(sum) / D);
+  __m512 squares = _mm512_setzero_ps();
+  for (int64_t d = 0; d < D; d += 16) {
+    const __m512 centred = _mm512_sub_ps(_mm512_loadu_ps(row + d), mean);
+    squares = _mm512_fmadd_ps(centred, centred, squares);
+  }
+  const __m512 inv = _mm512_set1_ps(1.0f / std::sqrt(_mm512_reduce_add_ps(squares) / D + eps));
+  for (int64_t d = 0; d < D; d += 16) {
+    const __m512 normed = _mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(row + d), mean), inv);
+    _mm512_storeu_ps(row + d, _mm512_fmadd_ps(normed, _mm512_loadu_ps(g + d), _mm512_loadu_ps(b + d)));
+  }
+}
+
+// Rows a thread takes at least in the loops over the rows (attention, the norms): the few rows of a sentence a call stay
+// on one (a parallel region costs a few microseconds, about a row's attention), a batch's hundreds are shared.
+constexpr int64_t kAttendRows = 32;
+
 // x = LayerNorm(x + sublayer) over each of M rows of D (Section 3.1's residual connection and normalization).
 void add_norm(float* x, const float* sublayer, int64_t M, int64_t D, const at::Tensor& gamma, const at::Tensor& beta,
               float eps) {
   const float* g = gamma.data_ptr<float>();
   const float* b = beta.data_ptr<float>();
-  for (int64_t m = 0; m < M; ++m) {
-    float* row = x + m * D;
-    const float* add = sublayer + m * D;
-    float sum = 0;
-    for (int64_t d = 0; d < D; ++d) sum += (row[d] += add[d]);
-    const float mean = sum / D;
-    float squares = 0;
-    for (int64_t d = 0; d < D; ++d) squares += (row[d] - mean) * (row[d] - mean);
-    const float inv = 1.0f / std::sqrt(squares / D + eps);
-    for (int64_t d = 0; d < D; ++d) row[d] = (row[d] - mean) * inv * g[d] + b[d];
-  }
+  at::parallel_for(0, M, kAttendRows, [&](int64_t begin, int64_t end) {  // (each row's sums in the same order)
+    for (int64_t m = begin; m < end; ++m) {
+      float* row = x + m * D;
+      const float* add = sublayer + m * D;
+      if (D % 16 == 0) {
+        add_norm_row(row, add, D, g, b, eps);
+        continue;
+      }
+      float sum = 0;
+      for (int64_t d = 0; d < D; ++d) sum += (row[d] += add[d]);
+      const float mean = sum / D;
+      float squares = 0;
+      for (int64_t d = 0; d < D; ++d) squares += (row[d] - mean) * (row[d] - mean);
+      const float inv = 1.0f / std::sqrt(squares / D + eps);
+      for (int64_t d = 0; d < D; ++d) row[d] = (row[d] - mean) * inv * g[d] + b[d];
+    }
+  });
 }
 
 // Sections 3.4 and 3.5: out (D) = token `id`'s row of the shared matrix times `scale` (sqrt(d_model)), plus its
@@ -865,13 +945,28 @@ void embed(int64_t id, const at::Tensor& embedding, float scale, const float* en
   for (int64_t d = 0; d < D; ++d) out[d] = row[d] * scale + encoding[d];
 }
 
+// Above this many rows a float32 product is torch's (`nn.Linear`'s: oneMKL's GEMM on Intel CPUs), which blocks x and
+// W for the caches where `rows_linear` reads W again for each 8 rows. Decoding in batches (hundreds of rows a step)
+// is then as fast as the compiled batched step (53 us a row each, the main job's model, 256-750 rows, one thread,
+// Intel Xeon), and beam search's reordering is followed through lineages there too (`PositionSlots.follow`).
+constexpr int64_t kRowsLinearMax = 16;
+
 // The products of the decoder's step: y (M, N) = x (M, K) W^T + b, ReLU'd with `relu`, for the layer's tensor i (W)
-// and i + 1 (b). FloatProducts: W float32 (N, K), `rows_linear`.
+// and i + 1 (b). FloatProducts: W float32 (N, K), `rows_linear` up to `kRowsLinearMax` rows, else torch's addmm.
 struct FloatProducts {
   const at::Tensor* t;  // the layer's kLayerTensors
   int64_t out_features(int i) const { return t[i].size(0); }
-  void operator()(int i, const float* x, int64_t M, int64_t, float* y, bool relu) const {
-    rows_linear(x, M, t[i], t[i + 1], y, relu);
+  void operator()(int i, const float* x, int64_t M, int64_t K, float* y, bool relu) const {
+    if (M <= kRowsLinearMax) return rows_linear(x, M, t[i], t[i + 1], y, relu);
+    const auto options = at::TensorOptions().dtype(at::kFloat);
+    const at::Tensor input = at::from_blob(const_cast<float*>(x), {M, K}, options);
+    at::Tensor output = at::from_blob(y, {M, t[i].size(0)}, options);
+    if (t[i + 1].numel()) {
+      at::addmm_out(output, t[i + 1], input, t[i].t());
+    } else {
+      at::mm_out(output, input, t[i].t());
+    }
+    if (relu) output.clamp_min_(0.0f);
   }
 };
 
@@ -924,6 +1019,7 @@ Products products_at(const std::vector<at::Tensor>& weights, const std::vector<a
 struct Slots {
   float* base;
   int64_t position, source, row, head, written, heads, depth;
+  int64_t rows;  // the rows a position holds: the step's, or more where rows have left a followed beam search
   float* at(int64_t p, int64_t g, int64_t j, int64_t a) const {
     return base + p * position + g * source + j * row + a * head;
   }
@@ -938,21 +1034,22 @@ std::vector<Slots> view_slots(const std::vector<at::Tensor>& views, int64_t G, i
                 "decoder_rows: keys of another shape than the rows' and sources'");
     TORCH_CHECK(view.size(0) == views[0].size(0), "decoder_rows: the layers' keys hold different numbers of positions");
     out.push_back({view.data_ptr<float>(), view.stride(0), view.stride(1), view.stride(2), view.stride(3),
-                   view.size(0) - 1, view.size(3), view.size(4)});
+                   view.size(0) - 1, view.size(3), view.size(4), G * k});
   }
   return out;
 }
 
-// The slots of all layers' buffer (layers, capacity, M, h, d) (`PositionSlots.keys`), `written` positions written
-// and room for this step's.
+// The slots of all layers' buffer (layers, capacity, rows, h, d) (`PositionSlots.keys`), `written` positions written
+// and room for this step's; the step's M rows are its first (more rows where rows have left a beam search followed
+// through lineages: `PositionSlots.follow`).
 std::vector<Slots> buffer_slots(const at::Tensor& buffer, int64_t written, int64_t M, int64_t k) {
   check_rows_tensor(buffer, "the keys and values");
-  TORCH_CHECK(buffer.dim() == 5 && buffer.size(2) == M && written >= 0 && buffer.size(1) > written,
+  TORCH_CHECK(buffer.dim() == 5 && buffer.size(2) >= M && written >= 0 && buffer.size(1) > written,
               "decoder_rows: a buffer of keys or values without this step's slot for its ", M, " rows");
   std::vector<Slots> out;
   for (int64_t l = 0; l < buffer.size(0); ++l) {
     out.push_back({buffer.data_ptr<float>() + l * buffer.stride(0), buffer.stride(1), k * buffer.stride(2),
-                   buffer.stride(2), buffer.stride(3), written, buffer.size(3), buffer.size(4)});
+                   buffer.stride(2), buffer.stride(3), written, buffer.size(3), buffer.size(4), buffer.size(2)});
   }
   return out;
 }
@@ -967,6 +1064,9 @@ struct RowsModel {
   std::vector<at::Tensor> weights, quantized;
   int64_t heads;
   double eps;
+  // The steps' working rows (`decoder_step`), kept for the model's sessions: a decoding call in batches makes a new
+  // session each time sources finish. One step at a time uses it: a step holds the GIL throughout.
+  at::Tensor work;
 };
 
 // The decoder's step for M = G * k rows (G sources, k rows each), `DecoderStep`'s function (compile_step.py): tokens
@@ -983,7 +1083,7 @@ template <class Products>
 at::Tensor decoder_step(const at::Tensor& tokens, const RowsModel& model, const std::vector<Slots>& self_keys,
                         const std::vector<Slots>& self_values, const std::vector<at::Tensor>& cross_keys,
                         const std::vector<at::Tensor>& cross_values, const at::Tensor& source_mask,
-                        const std::optional<at::Tensor>& lineage, int64_t d_k, int64_t d_v) {
+                        const std::optional<at::Tensor>& lineage, int64_t d_k, int64_t d_v, at::Tensor& work) {
   TORCH_CHECK(kAvx512, "decoder_rows: this CPU lacks AVX-512");
   const std::vector<at::Tensor>& weights = model.weights;
   const int64_t layers = static_cast<int64_t>(self_keys.size()), heads = model.heads;
@@ -1011,9 +1111,16 @@ at::Tensor decoder_step(const at::Tensor& tokens, const RowsModel& model, const 
     return products_at<Products>(weights, model.quantized, l * kLayerTensors, l * 2 * kLayerProducts);
   };
   const int64_t F = products_of(0).out_features(16);
-  std::vector<float> q(M * heads * d_k), attended(M * heads * d_v), out(M * D), inner(M * F),
-      scores(std::max<int64_t>(S, P + 1));
-  std::vector<float> new_keys(M * heads * d_k), new_values(M * heads * d_v);
+  // the step's working rows, kept from step to step by a session (in batches some 10 MB, whose fresh pages the kernel
+  // zeroed at every step: 9% of a pass of Multi30k val, beam 4, one thread)
+  const int64_t width_k = heads * d_k, width_v = heads * d_v, size = M * (2 * width_k + 2 * width_v + D + F);
+  if (!work.defined() || work.numel() < size) work = at::empty({size}, embedding.options());
+  float* const q = work.data_ptr<float>();
+  float* const new_keys = q + M * width_k;
+  float* const attended = new_keys + M * width_k;
+  float* const new_values = attended + M * width_v;
+  float* const out = new_values + M * width_v;
+  float* const inner = out + M * D;
   const int64_t* valid = mask.data_ptr<int64_t>();
   // A beam search followed without copying the keys and values (`PositionSlots.follow`): lineage (M, > P), row r's
   // earlier positions in rows lineage[r, p]; its position P is its own row's, written here.
@@ -1023,16 +1130,20 @@ at::Tensor decoder_step(const at::Tensor& tokens, const RowsModel& model, const 
     TORCH_CHECK(lineage->dim() == 2 && lineage->scalar_type() == at::kLong && lineage->device().is_cpu() &&
                     lineage->size(0) == M && lineage->size(1) > P && lineage->stride(1) == 1,
                 "decoder_rows: the lineage must be int64 (rows, more than the positions written), unit stride");
+    const int64_t held = self_keys[0].rows;
     for (const auto* slots : {&self_keys, &self_values})
       for (const Slots& s : *slots)
-        TORCH_CHECK(s.source == k * s.row, "decoder_rows: a lineage needs each position's rows contiguous");
+        TORCH_CHECK(s.source == k * s.row && s.rows == held,
+                    "decoder_rows: a lineage needs each position's rows contiguous, as many in every buffer");
     rows_of = lineage->data_ptr<int64_t>();
     lineage_stride = lineage->stride(0);
+    // Each row reads only rows of its own source: checked where the buffers hold the step's rows; where rows have left
+    // (sources finished, `held` > M) a row's source is no longer its buffer row's, and the rows are checked in range.
     for (int64_t r = 0; r < M; ++r) {
       for (int64_t p = 0; p < P; ++p) {
         const int64_t row = rows_of[r * lineage_stride + p];
-        TORCH_CHECK(row / k == r / k && row >= 0 && row < M, "decoder_rows: lineage row ", row, " for row ", r,
-                    " of ", k, " a source");
+        TORCH_CHECK(row >= 0 && row < held && (held != M || row / k == r / k), "decoder_rows: lineage row ", row,
+                    " for row ", r, " of ", k, " a source, ", held, " rows held");
       }
       rows_of[r * lineage_stride + P] = r;
     }
@@ -1052,44 +1163,50 @@ at::Tensor decoder_step(const at::Tensor& tokens, const RowsModel& model, const 
                 "decoder_rows: keys and values of ", heads, " heads of ", d_k, " and ", d_v,
                 " floats, as the encoder-decoder keys and values and the model");
     // Masked self-attention: this position's keys and values into slot P, then each row attends to positions 0..P
-    product(0, h, M, D, q.data(), false);
-    product(2, h, M, D, new_keys.data(), false);
-    product(4, h, M, D, new_values.data(), false);
-    for (int64_t r = 0; r < M; ++r)
-      for (int64_t a = 0; a < heads; ++a) {
-        const int64_t g = r / k, j = r % k;
-        std::copy_n(new_keys.data() + (r * heads + a) * d_k, d_k, keys.at(P, g, j, a));
-        std::copy_n(new_values.data() + (r * heads + a) * d_v, d_v, values.at(P, g, j, a));
-        // its earlier positions: its own row's, or with a lineage each position's row (counted from the first
-        // source's first row)
-        const float* query = q.data() + (r * heads + a) * d_k;
-        float* result = attended.data() + (r * heads + a) * d_v;
-        if (rows_of != nullptr) {
-          const int64_t* rows = rows_of + r * lineage_stride;
-          attend(query, keys.at(0, 0, 0, a), values.at(0, 0, 0, a), P + 1, {keys.position, rows, keys.row},
-                 {values.position, rows, values.row}, d_k, d_v, scaling, nullptr, scores.data(), result);
-        } else {
-          attend(query, keys.at(0, g, j, a), values.at(0, g, j, a), P + 1, {keys.position}, {values.position}, d_k,
-                 d_v, scaling, nullptr, scores.data(), result);
+    product(0, h, M, D, q, false);
+    product(2, h, M, D, new_keys, false);
+    product(4, h, M, D, new_values, false);
+    at::parallel_for(0, M, kAttendRows, [&](int64_t begin, int64_t end) {
+      std::vector<float> scores(P + 1);
+      for (int64_t r = begin; r < end; ++r)
+        for (int64_t a = 0; a < heads; ++a) {
+          const int64_t g = r / k, j = r % k;
+          std::copy_n(new_keys + (r * heads + a) * d_k, d_k, keys.at(P, g, j, a));
+          std::copy_n(new_values + (r * heads + a) * d_v, d_v, values.at(P, g, j, a));
+          // its earlier positions: its own row's, or with a lineage each position's row (counted from the first
+          // source's first row)
+          const float* query = q + (r * heads + a) * d_k;
+          float* result = attended + (r * heads + a) * d_v;
+          if (rows_of != nullptr) {
+            const int64_t* rows = rows_of + r * lineage_stride;
+            attend(query, keys.at(0, 0, 0, a), values.at(0, 0, 0, a), P + 1, {keys.position, rows, keys.row},
+                   {values.position, rows, values.row}, d_k, d_v, scaling, nullptr, scores.data(), result);
+          } else {
+            attend(query, keys.at(0, g, j, a), values.at(0, g, j, a), P + 1, {keys.position}, {values.position},
+                   d_k, d_v, scaling, nullptr, scores.data(), result);
+          }
         }
-      }
-    product(6, attended.data(), M, heads * d_v, out.data(), false);
-    add_norm(h, out.data(), M, D, t[8], t[9], static_cast<float>(model.eps));
+    });
+    product(6, attended, M, heads * d_v, out, false);
+    add_norm(h, out, M, D, t[8], t[9], static_cast<float>(model.eps));
     // Encoder-decoder attention: each row to its own source's S positions
-    product(10, h, M, D, q.data(), false);
-    for (int64_t r = 0; r < M; ++r)
-      for (int64_t a = 0; a < heads; ++a) {
-        const int64_t g = r / k;
-        attend(q.data() + (r * heads + a) * d_k, ck.data_ptr<float>() + g * ck.stride(0) + a * ck.stride(1),
-               cv.data_ptr<float>() + g * cv.stride(0) + a * cv.stride(1), S, {ck.stride(2)}, {cv.stride(2)}, d_k, d_v,
-               scaling, valid + g * S, scores.data(), attended.data() + (r * heads + a) * d_v);
-      }
-    product(12, attended.data(), M, heads * d_v, out.data(), false);
-    add_norm(h, out.data(), M, D, t[14], t[15], static_cast<float>(model.eps));
+    product(10, h, M, D, q, false);
+    at::parallel_for(0, M, kAttendRows, [&](int64_t begin, int64_t end) {
+      std::vector<float> scores(S);
+      for (int64_t r = begin; r < end; ++r)
+        for (int64_t a = 0; a < heads; ++a) {
+          const int64_t g = r / k;
+          attend(q + (r * heads + a) * d_k, ck.data_ptr<float>() + g * ck.stride(0) + a * ck.stride(1),
+                 cv.data_ptr<float>() + g * cv.stride(0) + a * cv.stride(1), S, {ck.stride(2)}, {cv.stride(2)}, d_k,
+                 d_v, scaling, valid + g * S, scores.data(), attended + (r * heads + a) * d_v);
+        }
+    });
+    product(12, attended, M, heads * d_v, out, false);
+    add_norm(h, out, M, D, t[14], t[15], static_cast<float>(model.eps));
     // The position-wise feed-forward network (Equation 2)
-    product(16, h, M, D, inner.data(), true);
-    product(18, inner.data(), M, F, out.data(), false);
-    add_norm(h, out.data(), M, D, t[20], t[21], static_cast<float>(model.eps));
+    product(16, h, M, D, inner, true);
+    product(18, inner, M, F, out, false);
+    add_norm(h, out, M, D, t[20], t[21], static_cast<float>(model.eps));
   }
   return x;
 }
@@ -1109,16 +1226,16 @@ RowsModel rows_model(const at::Tensor& embedding, double scale, const at::Tensor
 at::Tensor model_step(const at::Tensor& tokens, const RowsModel& model, const std::vector<Slots>& self_keys,
                       const std::vector<Slots>& self_values, const std::vector<at::Tensor>& cross_keys,
                       const std::vector<at::Tensor>& cross_values, const at::Tensor& source_mask,
-                      const std::optional<at::Tensor>& lineage) {
+                      const std::optional<at::Tensor>& lineage, at::Tensor& work) {
 #ifdef VASWANI_TX_AVX512
   TORCH_CHECK(!cross_keys.empty(), "decoder_rows: no layers");
   const int64_t d_k = cross_keys[0].size(-1), d_v = cross_values[0].size(-1);
   if (!model.quantized.empty()) {
     return decoder_step<Int8Products>(tokens, model, self_keys, self_values, cross_keys, cross_values, source_mask,
-                                      lineage, d_k, d_v);
+                                      lineage, d_k, d_v, work);
   }
   return decoder_step<FloatProducts>(tokens, model, self_keys, self_values, cross_keys, cross_values, source_mask,
-                                     lineage, d_k, d_v);
+                                     lineage, d_k, d_v, work);
 #else
   TORCH_CHECK(false, "decoder_rows: built for a CPU without AVX-512");
 #endif
@@ -1140,7 +1257,7 @@ class RowsSession {
                   const std::optional<at::Tensor>& lineage) const {
     const int64_t M = tokens.numel(), k = M / std::max<int64_t>(source_mask_.size(0), 1);
     return model_step(tokens, *model_, buffer_slots(keys, written, M, k), buffer_slots(values, written, M, k),
-                      cross_keys_, cross_values_, source_mask_, lineage);
+                      cross_keys_, cross_values_, source_mask_, lineage, model_->work);
   }
 
  private:
@@ -1158,8 +1275,9 @@ at::Tensor decoder_rows(const at::Tensor& tokens, const at::Tensor& embedding, d
                         const at::Tensor& source_mask, int64_t heads, double eps) {
   const RowsModel model = rows_model(embedding, scale, positions, weights, {}, heads, eps);
   const int64_t G = source_mask.size(0), k = tokens.numel() / std::max<int64_t>(G, 1);
+  at::Tensor work;
   return model_step(tokens, model, view_slots(self_keys, G, k), view_slots(self_values, G, k), cross_keys,
-                    cross_values, source_mask, std::nullopt);
+                    cross_values, source_mask, std::nullopt, work);
 }
 
 // The int8 step (`--int8`): the same 22 tensors a layer, each W the int8 few-rows kernel's packing of the layer's
@@ -1175,8 +1293,9 @@ at::Tensor decoder_rows_int8(const at::Tensor& tokens, const at::Tensor& embeddi
   TORCH_CHECK(!quantized.empty(), "decoder_rows_int8: each layer's products need their scales and sums");
   const RowsModel model = rows_model(embedding, scale, positions, weights, quantized, heads, eps);
   const int64_t G = source_mask.size(0), k = tokens.numel() / std::max<int64_t>(G, 1);
+  at::Tensor work;
   return model_step(tokens, model, view_slots(self_keys, G, k), view_slots(self_values, G, k), cross_keys,
-                    cross_values, source_mask, std::nullopt);
+                    cross_values, source_mask, std::nullopt, work);
 }
 
 // ---- the encoder for one source (a sentence a call) -----------------------------------------------------------------
