@@ -1066,7 +1066,7 @@ struct RowsModel {
   double eps;
   // The steps' working rows (`decoder_step`), kept for the model's sessions: a decoding call in batches makes a new
   // session each time sources finish. One step at a time uses it: a step holds the GIL throughout.
-  at::Tensor work;
+  mutable at::Tensor work;
 };
 
 // The decoder's step for M = G * k rows (G sources, k rows each), `DecoderStep`'s function (compile_step.py): tokens
@@ -1083,7 +1083,7 @@ template <class Products>
 at::Tensor decoder_step(const at::Tensor& tokens, const RowsModel& model, const std::vector<Slots>& self_keys,
                         const std::vector<Slots>& self_values, const std::vector<at::Tensor>& cross_keys,
                         const std::vector<at::Tensor>& cross_values, const at::Tensor& source_mask,
-                        const std::optional<at::Tensor>& lineage, int64_t d_k, int64_t d_v, at::Tensor& work) {
+                        const std::optional<at::Tensor>& lineage, int64_t d_k, int64_t d_v) {
   TORCH_CHECK(kAvx512, "decoder_rows: this CPU lacks AVX-512");
   const std::vector<at::Tensor>& weights = model.weights;
   const int64_t layers = static_cast<int64_t>(self_keys.size()), heads = model.heads;
@@ -1114,6 +1114,7 @@ at::Tensor decoder_step(const at::Tensor& tokens, const RowsModel& model, const 
   // the step's working rows, kept from step to step by a session (in batches some 10 MB, whose fresh pages the kernel
   // zeroed at every step: 9% of a pass of Multi30k val, beam 4, one thread)
   const int64_t width_k = heads * d_k, width_v = heads * d_v, size = M * (2 * width_k + 2 * width_v + D + F);
+  at::Tensor& work = model.work;
   if (!work.defined() || work.numel() < size) work = at::empty({size}, embedding.options());
   float* const q = work.data_ptr<float>();
   float* const new_keys = q + M * width_k;
@@ -1226,16 +1227,16 @@ RowsModel rows_model(const at::Tensor& embedding, double scale, const at::Tensor
 at::Tensor model_step(const at::Tensor& tokens, const RowsModel& model, const std::vector<Slots>& self_keys,
                       const std::vector<Slots>& self_values, const std::vector<at::Tensor>& cross_keys,
                       const std::vector<at::Tensor>& cross_values, const at::Tensor& source_mask,
-                      const std::optional<at::Tensor>& lineage, at::Tensor& work) {
+                      const std::optional<at::Tensor>& lineage) {
 #ifdef VASWANI_TX_AVX512
   TORCH_CHECK(!cross_keys.empty(), "decoder_rows: no layers");
   const int64_t d_k = cross_keys[0].size(-1), d_v = cross_values[0].size(-1);
   if (!model.quantized.empty()) {
     return decoder_step<Int8Products>(tokens, model, self_keys, self_values, cross_keys, cross_values, source_mask,
-                                      lineage, d_k, d_v, work);
+                                      lineage, d_k, d_v);
   }
   return decoder_step<FloatProducts>(tokens, model, self_keys, self_values, cross_keys, cross_values, source_mask,
-                                     lineage, d_k, d_v, work);
+                                     lineage, d_k, d_v);
 #else
   TORCH_CHECK(false, "decoder_rows: built for a CPU without AVX-512");
 #endif
@@ -1257,7 +1258,7 @@ class RowsSession {
                   const std::optional<at::Tensor>& lineage) const {
     const int64_t M = tokens.numel(), k = M / std::max<int64_t>(source_mask_.size(0), 1);
     return model_step(tokens, *model_, buffer_slots(keys, written, M, k), buffer_slots(values, written, M, k),
-                      cross_keys_, cross_values_, source_mask_, lineage, model_->work);
+                      cross_keys_, cross_values_, source_mask_, lineage);
   }
 
  private:
@@ -1275,9 +1276,8 @@ at::Tensor decoder_rows(const at::Tensor& tokens, const at::Tensor& embedding, d
                         const at::Tensor& source_mask, int64_t heads, double eps) {
   const RowsModel model = rows_model(embedding, scale, positions, weights, {}, heads, eps);
   const int64_t G = source_mask.size(0), k = tokens.numel() / std::max<int64_t>(G, 1);
-  at::Tensor work;
   return model_step(tokens, model, view_slots(self_keys, G, k), view_slots(self_values, G, k), cross_keys,
-                    cross_values, source_mask, std::nullopt, work);
+                    cross_values, source_mask, std::nullopt);
 }
 
 // The int8 step (`--int8`): the same 22 tensors a layer, each W the int8 few-rows kernel's packing of the layer's
@@ -1293,9 +1293,8 @@ at::Tensor decoder_rows_int8(const at::Tensor& tokens, const at::Tensor& embeddi
   TORCH_CHECK(!quantized.empty(), "decoder_rows_int8: each layer's products need their scales and sums");
   const RowsModel model = rows_model(embedding, scale, positions, weights, quantized, heads, eps);
   const int64_t G = source_mask.size(0), k = tokens.numel() / std::max<int64_t>(G, 1);
-  at::Tensor work;
   return model_step(tokens, model, view_slots(self_keys, G, k), view_slots(self_values, G, k), cross_keys,
-                    cross_values, source_mask, std::nullopt, work);
+                    cross_values, source_mask, std::nullopt);
 }
 
 // ---- the encoder for one source (a sentence a call) -----------------------------------------------------------------
