@@ -1226,6 +1226,30 @@ def test_one_sources_greedy_search_gives_transformers_ids(settings, loops, monke
         assert torch.equal(fast, stock) and len(calls) == 3
 
 
+@pytest.mark.parametrize("precision", ["int8", "bfloat16"])
+def test_one_source_without_a_screen_goes_through_one_source_greedy(precision, loops, monkeypatch, library_set_aside):
+    """An int8 or bfloat16 model has no int8 screen: one source (a sentence a call) still takes `one_source_greedy`,
+    every logit a step, with transformers' ids (also with a minimum length and suppressed tokens); several sources
+    keep the batched loop."""
+    model = quantize_int8(eos_prone_model()) if precision == "int8" else eos_prone_model().to(torch.bfloat16)
+    assert fast_decoding.ScreenedArgmax.of(model, 1) is None
+    screens = []
+    original = fast_decoding.one_source_greedy
+    monkeypatch.setattr(
+        fast_decoding,
+        "one_source_greedy",
+        lambda session, screen, *a: screens.append(screen) or original(session, screen, *a),
+    )
+    for seed, settings in ((4, {}), (5, dict(min_new_tokens=4, suppress_tokens=[7, 9]))):
+        ids, mask = batch(seed=seed, lengths=(7,), vocab=model.config.vocab_size)
+        fast, stock = both(model, input_ids=ids, attention_mask=mask, num_beams=1, max_new_tokens=10, **settings)
+        assert torch.equal(fast, stock)
+    assert screens == [None, None]
+    ids, mask = batch(seed=4, lengths=(7, 4, 6), vocab=model.config.vocab_size)
+    fast, stock = both(model, input_ids=ids, attention_mask=mask, num_beams=1, max_new_tokens=10)
+    assert torch.equal(fast, stock) and len(screens) == 2
+
+
 def test_a_torch_whose_int8_product_rounds_beyond_the_bound_gets_no_screen(monkeypatch, loops, library_set_aside):
     model = screen_model(seed=6)
     screened_argmax(model)
