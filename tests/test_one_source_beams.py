@@ -7,6 +7,7 @@ Speed is measured by benchmarks/bench_translate.py (`--one-at-a-time`), never as
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import shutil
@@ -19,7 +20,7 @@ from transformers import LogitsProcessorList
 from test_fast_decoding import ONE_SOURCE_SETTINGS, EndsAt, eos_prone_model, screen_model
 from test_int8_rows import in_a_fresh_process
 from test_modeling import batch, tiny_model
-from vaswani_tx import compiled_decoding, fast_decoding, int8_rows, native, one_source_beams
+from vaswani_tx import compile_step, compiled_decoding, fast_decoding, int8_rows, native, one_source_beams
 from vaswani_tx.errors import UserInputError
 from vaswani_tx.generation_vaswani import fairseq_generation_config
 
@@ -362,6 +363,53 @@ def test_followed_beams_decode_through_their_lineage_as_copied_ones(paths, group
         narrow = torch.zeros(*followed.keys.shape[:4], d_k - 1)
         with pytest.raises(RuntimeError, match="heads of"):
             session.step(tokens, narrow, followed.values, followed.length, None)
+
+
+@pytest.mark.parametrize("gemm", ["mkl", "onednn"])
+def test_a_batchs_step_takes_the_chosen_gemm_librarys_products(paths, monkeypatch, gemm):
+    """Above 16 rows (a step in batches) the library's float32 products are torch's (oneMKL's) or, where oneDNN is the
+    chosen GEMM library (other x86 CPUs than Intel's), oneDNN's inner product on the model's own weights with the ReLU
+    as its post-op, as the compiled batched step's there: either way the eager step's outputs and slots to float32
+    rounding, at 24 and 40 rows of three sources with padding, on one thread and on two."""
+    if gemm == "onednn" and not compiled_decoding.onednn_linear_available():
+        pytest.skip("torch without oneDNN's inner product")
+    paths(True, lambda: None)  # the library loaded for the rest of the test
+    if not fast_decoding.beams_library().decoder_rows_supported():
+        pytest.skip("the library's step needs AVX-512")
+    monkeypatch.setenv(compiled_decoding.GEMM_VARIABLE, gemm)
+    model = eos_prone_model()
+    decoder = compiled_decoding.RowsDecoder.of(model)
+    assert decoder.onednn == (gemm == "onednn")
+    config, eager = model.config, compile_step.DecoderStep(model)
+    heads, d_k, d_v, layers = config.num_heads, config.d_k, config.d_v, config.num_decoder_layers
+    threads = torch.get_num_threads()
+    try:
+        for count, (groups, k) in itertools.product((1, 2), ((3, 8), (4, 10))):
+            torch.set_num_threads(count)
+            g = torch.Generator().manual_seed(groups * k + count)
+            rows, source = groups * k, 6
+            cross_keys = [torch.randn(groups, heads, source, d_k, generator=g) for _ in range(layers)]
+            cross_values = [torch.randn(groups, heads, source, d_v, generator=g) for _ in range(layers)]
+            mask = torch.ones(groups, source, dtype=torch.long)
+            mask[1:, -2:] = 0
+            sources = torch.randn(groups, source, config.d_model, generator=g)  # (read for its shape: the keys are given)
+            session = decoder.session(cross_keys, cross_values, mask)
+            ours, theirs = fast_decoding.PositionSlots(layers), fast_decoding.PositionSlots(layers)
+            like = torch.zeros(1)
+            with torch.inference_mode():
+                for position in range(5):
+                    tokens = torch.randint(4, config.vocab_size, (groups, k), generator=g)
+                    keys, values = theirs.views(rows, groups, heads, d_k, d_v, like)
+                    expected = eager(tokens, keys, values, cross_keys, cross_values, sources, mask)
+                    ours.make_room(rows, heads, d_k, d_v, like)
+                    got = session.step(tokens, ours.keys, ours.values, ours.length, None)
+                    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+                    for mine, reference in ((ours.keys, theirs.keys), (ours.values, theirs.values)):
+                        torch.testing.assert_close(mine[:, : position + 1], reference[:, : position + 1])
+                    ours.length += 1
+                    theirs.length += 1
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_a_compiler_without_openmp_builds_the_library_without_it(tmp_path, monkeypatch):

@@ -404,6 +404,9 @@ class RowsDecoder:
             for layer in decoder.layers
         )
         self.bound = None  # the tensors bound once for the decoding calls' sessions (`session`)
+        # float32 products of more than a few rows (in batches) through oneDNN's inner product where it is the chosen
+        # GEMM library, as the compiled batched step's there, else torch's (oneMKL's)
+        self.onednn = gemm_backend() == "onednn"
 
     def session(self, cross_keys, cross_values, source_mask):
         """A decoding call's step over the whole buffers of its keys and values (fast_decoding.py's
@@ -413,8 +416,9 @@ class RowsDecoder:
         tensors are bound at the first session (`of` has checked them by then)."""
         if self.bound is None:
             self.bound = self.library.RowsModel(
-                self.embedding, self.scale, self.positions, self.weights, self.quantized, self.heads, self.eps
-            )
+                self.embedding, self.scale, self.positions, self.weights, self.quantized, self.heads, self.eps,
+                onednn=self.onednn,
+            )  # fmt: skip
         return self.bound.session(list(cross_keys), list(cross_values), source_mask)
 
     @classmethod
@@ -537,7 +541,7 @@ class CompiledStep:
         self.embedding: torch.Tensor | None = None
         self.own: dict | None = None
         # the library's step doing this step's work, where it has it: the float32 and int8 few-rows steps', the float32
-        # batched step's on oneMKL (`batched_on_library`)
+        # batched step's (`batched_on_library`)
         self.rows_decoder: RowsDecoder | None = None
         self.released = False  # the model's plain pages of the tensors it copies, given back (fast_decoding.py)
         self.refused: tuple | None = None  # a copy's tensors found to be other weights than its own (`usable`)
@@ -609,18 +613,16 @@ class CompiledStep:
 
     def batched_on_library(self) -> bool:
         """Whether the float32 batched step's work goes through the beam-search library's step (`RowsDecoder`) where
-        that has it: where the compiled step's products are oneMKL's (Intel CPUs: `gemm_backend`), as the library's
-        are at many rows. Both take 53 us a row at 256-750 rows (the main job's model, one thread, Intel Xeon); the
-        library's reads beam search's reordering, and the rows left once sources finish, through lineages
-        (`PositionSlots.follow`), where the compiled step's views need the rows copied in order, 0.5 s of a 6.9 s pass
-        of Multi30k val in batches, beam 4. Where oneDNN computes the products (other x86 CPUs) the compiled step
-        stays."""
+        that has it. Its products at many rows are the compiled step's: oneMKL's on Intel CPUs, oneDNN's inner product
+        on the model's own weights on other x86 CPUs (`gemm_backend`). Both take 53 us a row at 256-750 rows (the main
+        job's model, one thread, Intel Xeon); the library's reads beam search's reordering, and the rows left once
+        sources finish, through lineages (`PositionSlots.follow`), where the compiled step's views need the rows
+        copied in order, 0.5 s of a 6.9 s pass of Multi30k val in batches, beam 4."""
         return (
             self.few_rows is None
             and self.int8 is None
             and self.dtype == torch.float32
             and self.manifest.get("part") != "encoder"
-            and self.manifest.get("gemm", "mkl") == "mkl"
         )
 
     @staticmethod

@@ -20,6 +20,8 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <optional>
+#include <string_view>
 #include <type_traits>
 #include <cstring>
 #include <cstdint>
@@ -951,15 +953,35 @@ void embed(int64_t id, const at::Tensor& embedding, float scale, const float* en
 // Intel Xeon), and beam search's reordering is followed through lineages there too (`PositionSlots.follow`).
 constexpr int64_t kRowsLinearMax = 16;
 
+// oneDNN's inner product on W as it is (`mkldnn::_linear_pointwise`, what the compiled batched step calls where
+// oneDNN is the chosen GEMM library): on other x86 CPUs than Intel's, torch's oneMKL product takes slow code paths,
+// 2.0-2.5x oneDNN's time at 32-512 rows of the main job's shapes (AMD EPYC, one thread; benchmarks/bench_gemm.py).
+// `relu`: max(0, .) as oneDNN writes the sums (a post-op), as the compiled step applies it.
+at::Tensor onednn_linear(const at::Tensor& input, const at::Tensor& weight, const at::Tensor& bias, bool relu) {
+  static const auto linear = c10::Dispatcher::singleton()
+      .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
+      .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, std::string_view,
+                        c10::List<std::optional<at::Scalar>>, std::optional<std::string_view>)>();
+  return linear.call(input, weight, bias.numel() ? std::optional<at::Tensor>(bias) : std::nullopt,
+                     relu ? "relu" : "none", c10::List<std::optional<at::Scalar>>(), std::nullopt);
+}
+
 // The products of the decoder's step: y (M, N) = x (M, K) W^T + b, ReLU'd with `relu`, for the layer's tensor i (W)
-// and i + 1 (b). FloatProducts: W float32 (N, K), `rows_linear` up to `kRowsLinearMax` rows, else torch's addmm.
+// and i + 1 (b). FloatProducts: W float32 (N, K), `rows_linear` up to `kRowsLinearMax` rows, else torch's addmm, or
+// oneDNN's inner product with `onednn` (`RowsModel`'s: the CPU's chosen GEMM library, `gemm_backend`).
 struct FloatProducts {
   const at::Tensor* t;  // the layer's kLayerTensors
+  bool onednn = false;
   int64_t out_features(int i) const { return t[i].size(0); }
   void operator()(int i, const float* x, int64_t M, int64_t K, float* y, bool relu) const {
     if (M <= kRowsLinearMax) return rows_linear(x, M, t[i], t[i + 1], y, relu);
     const auto options = at::TensorOptions().dtype(at::kFloat);
     const at::Tensor input = at::from_blob(const_cast<float*>(x), {M, K}, options);
+    if (onednn) {
+      const at::Tensor out = onednn_linear(input, t[i], t[i + 1], relu);
+      std::copy_n(out.data_ptr<float>(), M * t[i].size(0), y);
+      return;
+    }
     at::Tensor output = at::from_blob(y, {M, t[i].size(0)}, options);
     if (t[i + 1].numel()) {
       at::addmm_out(output, t[i + 1], input, t[i].t());
@@ -1004,11 +1026,11 @@ struct Int8Products {
 // The products of the tensors from `weights`[w] (and their scales and sums from `quantized`[q], for int8's).
 template <class Products>
 Products products_at(const std::vector<at::Tensor>& weights, const std::vector<at::Tensor>& quantized, int64_t w,
-                     int64_t q) {
+                     int64_t q, bool onednn = false) {
   if constexpr (std::is_same_v<Products, Int8Products>) {
     return Products{weights.data() + w, quantized.data() + q};
   } else {
-    return Products{weights.data() + w};
+    return Products{weights.data() + w, onednn};
   }
 }
 #endif
@@ -1064,6 +1086,8 @@ struct RowsModel {
   std::vector<at::Tensor> weights, quantized;
   int64_t heads;
   double eps;
+  // float32 products of more than `kRowsLinearMax` rows through oneDNN rather than torch's addmm (`FloatProducts`)
+  bool onednn = false;
   // The steps' working rows (`decoder_step`), kept for the model's sessions: a decoding call in batches makes a new
   // session each time sources finish. One step at a time uses it: a step holds the GIL throughout.
   mutable at::Tensor work;
@@ -1108,7 +1132,7 @@ at::Tensor decoder_step(const at::Tensor& tokens, const RowsModel& model, const 
   TORCH_CHECK(G * k == M, "decoder_rows: ", M, " rows are not ", G, " sources' rows");
   const float scaling = 1.0f / std::sqrt(static_cast<float>(d_k));
   auto products_of = [&](int64_t l) {
-    return products_at<Products>(weights, model.quantized, l * kLayerTensors, l * 2 * kLayerProducts);
+    return products_at<Products>(weights, model.quantized, l * kLayerTensors, l * 2 * kLayerProducts, model.onednn);
   };
   const int64_t F = products_of(0).out_features(16);
   // the step's working rows, kept from step to step by a session (in batches some 10 MB, whose fresh pages the kernel
@@ -1215,12 +1239,13 @@ at::Tensor decoder_step(const at::Tensor& tokens, const RowsModel& model, const 
 
 // The model's tensors checked (`RowsModel`): int8 with `quantized` (each product's two).
 RowsModel rows_model(const at::Tensor& embedding, double scale, const at::Tensor& positions,
-                     std::vector<at::Tensor> weights, std::vector<at::Tensor> quantized, int64_t heads, double eps) {
+                     std::vector<at::Tensor> weights, std::vector<at::Tensor> quantized, int64_t heads, double eps,
+                     bool onednn = false) {
   check_rows_tensor(embedding, "the embedding matrix");
   check_rows_tensor(positions, "the positional encodings");
   TORCH_CHECK(quantized.empty() || quantized.size() * kLayerTensors == weights.size() * 2 * kLayerProducts,
               "decoder_rows_int8: each layer's products need their scales and sums");
-  return {embedding, positions, scale, std::move(weights), std::move(quantized), heads, eps};
+  return {embedding, positions, scale, std::move(weights), std::move(quantized), heads, eps, onednn};
 }
 
 // One step through the model's float32 or int8 products.
@@ -1427,10 +1452,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   pybind11::class_<RowsModel, std::shared_ptr<RowsModel>>(m, "RowsModel")
       .def(pybind11::init([](const at::Tensor& embedding, double scale, const at::Tensor& positions,
                              std::vector<at::Tensor> weights, std::vector<at::Tensor> quantized, int64_t heads,
-                             double eps) {
-        return std::make_shared<RowsModel>(
-            rows_model(embedding, scale, positions, std::move(weights), std::move(quantized), heads, eps));
-      }))
+                             double eps, bool onednn) {
+             return std::make_shared<RowsModel>(
+                 rows_model(embedding, scale, positions, std::move(weights), std::move(quantized), heads, eps, onednn));
+           }),
+           pybind11::arg("embedding"), pybind11::arg("scale"), pybind11::arg("positions"), pybind11::arg("weights"),
+           pybind11::arg("quantized"), pybind11::arg("heads"), pybind11::arg("eps"), pybind11::arg("onednn") = false)
       .def("session", [](const std::shared_ptr<RowsModel>& model, std::vector<at::Tensor> cross_keys,
                          std::vector<at::Tensor> cross_values, at::Tensor source_mask) {
         return RowsSession(model, std::move(cross_keys), std::move(cross_values), std::move(source_mask));
