@@ -392,7 +392,8 @@ def test_a_batchs_step_takes_the_chosen_gemm_librarys_products(paths, monkeypatc
             cross_values = [torch.randn(groups, heads, source, d_v, generator=g) for _ in range(layers)]
             mask = torch.ones(groups, source, dtype=torch.long)
             mask[1:, -2:] = 0
-            sources = torch.randn(groups, source, config.d_model, generator=g)  # (read for its shape: the keys are given)
+            # (the sources are read for their shape: their keys and values are given)
+            sources = torch.randn(groups, source, config.d_model, generator=g)
             session = decoder.session(cross_keys, cross_values, mask)
             ours, theirs = fast_decoding.PositionSlots(layers), fast_decoding.PositionSlots(layers)
             like = torch.zeros(1)
