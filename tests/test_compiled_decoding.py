@@ -499,7 +499,9 @@ def test_a_call_down_to_a_few_rows_goes_on_through_the_few_rows_step(
 
 @pytest.fixture
 def encoder_calls(monkeypatch):
-    """The shape of each source the compiled encoder encodes."""
+    """The shape of each source the compiled encoder encodes, where it is taken for a float32 model on any CPU (on
+    oneDNN's, the library's encoder is: `library_encodes`, tested below)."""
+    monkeypatch.setattr(compiled_decoding, "library_encodes", lambda: False)
     calls = []
     original = compiled_decoding.CompiledEncoder.__call__
     monkeypatch.setattr(
@@ -515,11 +517,24 @@ def one_source(length: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, mask
 
 
-def test_one_source_a_call_is_encoded_by_the_compiled_encoder(compiled_folder, encoder_calls):
+@pytest.mark.parametrize("encoder", ["compiled", "library"])
+def test_one_source_a_call_is_encoded_by_the_compiled_encoder(compiled_folder, encoder_calls, monkeypatch, encoder):
     """`vaswani-tx compile` writes the encoder of one source (`compiled-encoder`: a package that holds no weights, its
     products oneMKL's on the model's own or Inductor's on a packed copy, by the CPU's GEMM library: the test below).
     One unpadded source a call (its mask all ones, or none) is encoded there: the eager encoder's output to float32
-    rounding at every length, and generate()'s ids, greedy and beam, the eager model's."""
+    rounding at every length, and generate()'s ids, greedy and beam, the eager model's. Where the library encodes
+    instead (`library_encodes`: oneDNN's CPUs), the beam-search library's `RowsEncoder` does, to the same rounding
+    and ids, sources of more than 16 tokens through the CPU's GEMM library's products."""
+    if encoder == "library":
+        if not compiled_decoding.RowsEncoder.of(VaswaniForConditionalGeneration.from_pretrained(compiled_folder)):
+            pytest.skip("no library encoder on this CPU (AVX-512)")
+        monkeypatch.setattr(compiled_decoding, "library_encodes", lambda: True)
+        original = compiled_decoding.RowsEncoder.__call__
+        monkeypatch.setattr(
+            compiled_decoding.RowsEncoder,
+            "__call__",
+            lambda self, ids: encoder_calls.append(tuple(ids.shape)) or original(self, ids),
+        )
     encoder_folder = compiled_folder / compiled_decoding.ENCODER_FOLDER
     manifest = json.loads((encoder_folder / MANIFEST).read_text())
     assert manifest["part"] == "encoder" and (encoder_folder / compiled_decoding.FEW_ROWS_WEIGHTS).is_file()
@@ -530,7 +545,10 @@ def test_one_source_a_call_is_encoded_by_the_compiled_encoder(compiled_folder, e
     for length in (1, 2, 7, 23):
         ids, mask = one_source(length, seed=length)
         with torch.no_grad():
-            encoded = compiled_decoding.encoder_for(model, ids, mask)(ids)
+            taken = compiled_decoding.encoder_for(model, ids, mask)
+            kind = compiled_decoding.RowsEncoder if encoder == "library" else compiled_decoding.CompiledEncoder
+            assert type(taken) is kind
+            encoded = taken(ids)
             expected = eager.get_encoder()(input_ids=ids).last_hidden_state
             torch.testing.assert_close(encoded.hidden, expected, rtol=1e-5, atol=1e-5)
             for layer, keys, values in zip(eager.get_decoder().layers, encoded.keys, encoded.values, strict=True):
@@ -554,6 +572,7 @@ def test_the_compiled_encoders_products_are_the_cpus_gemm_librarys(compiled_fold
     only), and the model's pages are not given back, since its products read them. Where oneDNN is, they are
     Inductor's C++ template on a packed copy of the encoder's weights and the encoder-decoder keys' and values', whose
     plain pages go back once. Either gives the eager encoder's output and generate()'s eager ids."""
+    monkeypatch.setattr(compiled_decoding, "library_encodes", lambda: False)  # (the compiled encoder on either CPU)
     monkeypatch.setenv(compiled_decoding.GEMM_VARIABLE, gemm)
     if compiled_decoding.gemm_backend() != gemm:
         pytest.skip("torch without oneDNN's inner product")

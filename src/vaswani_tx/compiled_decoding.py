@@ -488,6 +488,7 @@ class RowsEncoder:
             [layer.cross_attn.k_proj, layer.cross_attn.v_proj] for layer in model.get_decoder().layers
         )
         self.bound = _versions(model)
+        self.onednn = gemm_backend() == "onednn"  # (a long source's float32 products: `RowsDecoder`'s)
 
     @classmethod
     def of(cls, model: nn.Module) -> RowsEncoder | None:
@@ -515,7 +516,7 @@ class RowsEncoder:
         else:
             hidden, *memory = self.library.encoder_rows(
                 input_ids, self.embedding, self.scale, self.positions, self.weights, self.memory,
-                self.heads, self.d_k, self.d_v, self.eps,
+                self.heads, self.d_k, self.d_v, self.eps, onednn=self.onednn,
             )  # fmt: skip
         return EncodedSource(hidden, memory[0::2], memory[1::2])
 
@@ -733,7 +734,8 @@ def encoder_for(
     """The model's compiled encoder where it can encode this call now: a float32 model on the CPU in eval mode, with
     gradients off; one source (1, S) of at most the positions it was compiled for, unpadded (no mask, or all ones);
     its folder's `compiled-encoder`, fitting the model (loaded at the first such call, then kept). An int8 model's is
-    the beam-search library's `RowsEncoder` where the folder has that library and the int8 few-rows kernel. Else
+    the beam-search library's `RowsEncoder` where the folder has that library and the int8 few-rows kernel, and a
+    float32 model's too where the library encodes faster (`library_encodes`: oneDNN's CPUs). Else
     None: the eager encoder, with the same output to float32 rounding (int8's: to the quantization's own error). (A
     model converted or quantized since loading holds other tensors than those the encoder was bound to, which
     `usable` tells: walking its modules for its precision at every call would cost 0.1 ms.)"""
@@ -748,11 +750,12 @@ def encoder_for(
     steps = model.__dict__.setdefault("_compiled_steps", {})
     if "encoder" not in steps:  # (an int8 model is never float32 again)
         kind = precision(model)
+        library = RowsEncoder.of(model) if kind == "int8" or (kind == "float32" and library_encodes()) else None
         steps["encoder"] = (
-            _loaded(model, Path(folder) / ENCODER_FOLDER, folder, CompiledEncoder)
+            library
+            if library is not None
+            else _loaded(model, Path(folder) / ENCODER_FOLDER, folder, CompiledEncoder)
             if kind == "float32"
-            else RowsEncoder.of(model)
-            if kind == "int8"
             else None
         )
     encoder = steps["encoder"]
@@ -761,6 +764,16 @@ def encoder_for(
     if encoder is None or input_ids.shape[1] > encoder.rows or not encoder.usable(model):
         return None
     return encoder
+
+
+def library_encodes() -> bool:
+    """Whether a float32 sentence a call is encoded by the beam-search library (`RowsEncoder`) rather than the compiled
+    encoder: where oneDNN is the chosen GEMM library (other x86 CPUs than Intel's), whose compiled encoder reads a
+    packed copy of the weights. In the decoding loop, its weights cold after the decoder's steps, the library's took
+    1.26-1.31 ms a source against the compiled encoder's 1.68-1.69 (Multi30k val, the recipe's model trained 1,600
+    steps, beam 4, one thread, AMD EPYC Zen 5), and it holds no copy. On oneMKL's CPUs the compiled encoder stays,
+    measured the faster there (docs/speed.md)."""
+    return gemm_backend() == "onednn"
 
 
 def tensor_fingerprint(tensor: torch.Tensor) -> tuple:
