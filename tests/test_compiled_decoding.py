@@ -524,7 +524,7 @@ def test_one_source_a_call_is_encoded_by_the_compiled_encoder(compiled_folder, e
     One unpadded source a call (its mask all ones, or none) is encoded there: the eager encoder's output to float32
     rounding at every length, and generate()'s ids, greedy and beam, the eager model's. Where the library encodes
     instead (`library_encodes`: oneDNN's CPUs), the beam-search library's `RowsEncoder` does, to the same rounding
-    and ids, sources of more than 16 tokens through the CPU's GEMM library's products."""
+    and ids, sources of more than 16 tokens too."""
     if encoder == "library":
         if not compiled_decoding.RowsEncoder.of(VaswaniForConditionalGeneration.from_pretrained(compiled_folder)):
             pytest.skip("no library encoder on this CPU (AVX-512)")

@@ -488,7 +488,6 @@ class RowsEncoder:
             [layer.cross_attn.k_proj, layer.cross_attn.v_proj] for layer in model.get_decoder().layers
         )
         self.bound = _versions(model)
-        self.onednn = gemm_backend() == "onednn"  # (a long source's float32 products: `RowsDecoder`'s)
 
     @classmethod
     def of(cls, model: nn.Module) -> RowsEncoder | None:
@@ -516,7 +515,7 @@ class RowsEncoder:
         else:
             hidden, *memory = self.library.encoder_rows(
                 input_ids, self.embedding, self.scale, self.positions, self.weights, self.memory,
-                self.heads, self.d_k, self.d_v, self.eps, onednn=self.onednn,
+                self.heads, self.d_k, self.d_v, self.eps,
             )  # fmt: skip
         return EncodedSource(hidden, memory[0::2], memory[1::2])
 
@@ -770,9 +769,9 @@ def library_encodes() -> bool:
     """Whether a float32 sentence a call is encoded by the beam-search library (`RowsEncoder`) rather than the compiled
     encoder: where oneDNN is the chosen GEMM library (other x86 CPUs than Intel's), whose compiled encoder reads a
     packed copy of the weights. In the decoding loop, its weights cold after the decoder's steps, the library's took
-    1.26-1.31 ms a source against the compiled encoder's 1.68-1.69 (Multi30k val, the recipe's model trained 1,600
-    steps, beam 4, one thread, AMD EPYC Zen 5), and it holds no copy. On oneMKL's CPUs the compiled encoder stays,
-    measured the faster there (docs/speed.md)."""
+    1.26-1.31 ms a source against the compiled encoder's 1.68-1.69 (400 Multi30k val sources, the recipe's model
+    trained 1,600 steps, beam 4, one thread, AMD EPYC Zen 5), and it holds no copy. On oneMKL's CPUs the compiled
+    encoder stays, measured the faster there (docs/speed.md)."""
     return gemm_backend() == "onednn"
 
 
