@@ -370,7 +370,8 @@ def test_a_batchs_step_takes_the_chosen_gemm_librarys_products(paths, monkeypatc
     """Above 16 rows (a step in batches) the library's float32 products are torch's (oneMKL's) or, where oneDNN is the
     chosen GEMM library (other x86 CPUs than Intel's), oneDNN's inner product on the model's own weights with the ReLU
     as its post-op, as the compiled batched step's there: either way the eager step's outputs and slots to float32
-    rounding, at 24 and 40 rows of three sources with padding, on one thread and on two."""
+    rounding, at 24 and 40 rows of three sources with padding, on one thread and on two; the step on per-layer views
+    (`RowsDecoder.__call__`) the session's, bit for bit."""
     if gemm == "onednn" and not compiled_decoding.onednn_linear_available():
         pytest.skip("torch without oneDNN's inner product")
     paths(True, lambda: None)  # the library loaded for the rest of the test
@@ -402,9 +403,14 @@ def test_a_batchs_step_takes_the_chosen_gemm_librarys_products(paths, monkeypatc
                     tokens = torch.randint(4, config.vocab_size, (groups, k), generator=g)
                     keys, values = theirs.views(rows, groups, heads, d_k, d_v, like)
                     expected = eager(tokens, keys, values, cross_keys, cross_values, sources, mask)
-                    ours.make_room(rows, heads, d_k, d_v, like)
+                    # the same step on copies of per-layer views of our buffers (`RowsDecoder.__call__`)
+                    views = [
+                        tuple(t.clone() for t in part) for part in ours.views(rows, groups, heads, d_k, d_v, like)
+                    ]
                     got = session.step(tokens, ours.keys, ours.values, ours.length, None)
                     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+                    # which takes the same products: the same outputs, bit for bit
+                    assert torch.equal(decoder(tokens, *views, cross_keys, cross_values, sources, mask), got)
                     for mine, reference in ((ours.keys, theirs.keys), (ours.values, theirs.values)):
                         torch.testing.assert_close(mine[:, : position + 1], reference[:, : position + 1])
                     ours.length += 1

@@ -454,6 +454,7 @@ class RowsDecoder:
             source_mask,
             self.heads,
             self.eps,
+            self.onednn,
         )  # fmt: skip  (the library takes the tuples of tensors as they come)
 
 
@@ -749,14 +750,12 @@ def encoder_for(
     steps = model.__dict__.setdefault("_compiled_steps", {})
     if "encoder" not in steps:  # (an int8 model is never float32 again)
         kind = precision(model)
-        library = RowsEncoder.of(model) if kind == "int8" or (kind == "float32" and library_encodes()) else None
-        steps["encoder"] = (
-            library
-            if library is not None
-            else _loaded(model, Path(folder) / ENCODER_FOLDER, folder, CompiledEncoder)
-            if kind == "float32"
-            else None
-        )
+        taken = None
+        if kind == "int8" or (kind == "float32" and library_encodes()):
+            taken = RowsEncoder.of(model)
+        if taken is None and kind == "float32":
+            taken = _loaded(model, Path(folder) / ENCODER_FOLDER, folder, CompiledEncoder)
+        steps["encoder"] = taken
     encoder = steps["encoder"]
     if type(encoder) is RowsEncoder and not encoder.usable(model):  # the model's tensors replaced or changed
         encoder = steps["encoder"] = RowsEncoder.of(model)

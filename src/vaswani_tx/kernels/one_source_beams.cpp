@@ -1303,13 +1303,13 @@ class RowsSession {
 };
 
 // The float32 step on per-layer views (P + 1, G, k, h, d) of the keys and values: the model's 22 tensors a layer, each
-// W (N, K) float32 (`RowsDecoder` binds them once as a `RowsModel` for its sessions).
+// W (N, K) float32 (`RowsDecoder` binds them once as a `RowsModel` for its sessions); `onednn` as `RowsModel`'s.
 at::Tensor decoder_rows(const at::Tensor& tokens, const at::Tensor& embedding, double scale, const at::Tensor& positions,
                         const std::vector<at::Tensor>& weights,
                         const std::vector<at::Tensor>& self_keys, const std::vector<at::Tensor>& self_values,
                         const std::vector<at::Tensor>& cross_keys, const std::vector<at::Tensor>& cross_values,
-                        const at::Tensor& source_mask, int64_t heads, double eps) {
-  const RowsModel model = rows_model(embedding, scale, positions, weights, {}, heads, eps);
+                        const at::Tensor& source_mask, int64_t heads, double eps, bool onednn) {
+  const RowsModel model = rows_model(embedding, scale, positions, weights, {}, heads, eps, onednn);
   const int64_t G = source_mask.size(0), k = tokens.numel() / std::max<int64_t>(G, 1);
   return model_step(tokens, model, view_slots(self_keys, G, k), view_slots(self_values, G, k), cross_keys,
                     cross_values, source_mask, std::nullopt);
