@@ -466,7 +466,8 @@ def test_an_int8_projection_of_a_few_rows_is_the_layers_own_product(compiled_fol
         model.config.final_logits_bias = bias
         projection = fast_decoding.OwnProjection(model)
         assert projection.few_rows is not None and (projection.final_bias is not None) == bias
-        for rows in (1, 4, layer.rows_kernel_elements // layer.in_features, 40):
+        # (up to the kernel's rows, and past them: where the CPU has no AMX tiles it takes every row, int8_rows.py)
+        for rows in (1, 4, min(layer.rows_kernel_elements // layer.in_features, 32), 40):
             hidden = torch.randn(rows, 1, model.config.d_model, generator=torch.Generator().manual_seed(rows))
             with torch.inference_mode():
                 expected = model.project(hidden).float()
@@ -980,6 +981,35 @@ def test_int8_calls_of_a_few_rows_decode_through_the_kernels_step(compiled_folde
         for name in compiled_decoding.ROWS_BUFFERS:
             module._buffers.pop(name, None)
     assert compiled_decoding.weights_fingerprint(eager) == fingerprint
+
+
+@pytest.mark.skipif(not int8_rows.cpu_supports()[0], reason="a CPU without AVX512-VNNI: no int8 few-rows kernel")
+@pytest.mark.parametrize("instructions", ["AMX", "AVX512-BF16"], ids=["amx", "without-amx"])
+def test_an_int8_batchs_step_is_the_librarys_where_every_layer_takes_the_kernel(
+    compiled_folder, monkeypatch, instructions
+):
+    """Where the CPU has no AMX tiles every int8 layer takes the int8 few-rows kernel at any number of rows
+    (int8_rows.py's `rows_limit`), and the int8 batched step's work goes through the beam-search library's step, on
+    the same kernel (`int8_batched_on_library`), with the lineages for beam search's reordering; with AMX tiles it is
+    the compiled int8 step's. Either way the eager int8 path's ids, greedy and beam search, sources leaving at
+    several steps."""
+    monkeypatch.setattr(fast_decoding, "packs_beat_compiled", lambda model, rows: False)
+    monkeypatch.setattr(int8_rows, "cpu_bf16_instructions", lambda: instructions)
+    model, eager = int8_twins(compiled_folder)
+    library = instructions != "AMX"
+    assert compiled_decoding.int8_batched_on_library(model) == library
+    served = []
+    note_steps(monkeypatch, lambda step: served.append((step.few_rows, step.rows_decoder is not None)))
+    for settings in (dict(num_beams=1), dict(num_beams=4), dict(num_beams=3, num_return_sequences=2)):
+        for seed in (0, 4):  # 20 sources: past the few-rows step's rows
+            ids, mask = batch(seed=seed, lengths=(7, 4, 6, 2, 5) * 4)
+            processors = LogitsProcessorList([EndsAtPerSource([3, 7, 5, 12, 9] * 4)])
+            kwargs = dict(input_ids=ids, attention_mask=mask, logits_processor=processors, **settings)
+            compiled = model.generate(**kwargs)
+            assert torch.equal(compiled, eager.generate(**kwargs))
+            assert len(set(ends(compiled))) > 1
+    batched = [on_library for few_rows, on_library in served if few_rows is None]
+    assert batched and all(on_library == library for on_library in batched)
 
 
 @pytest.mark.skipif(not bf16_is_fast("cpu")[0], reason="a CPU without bf16 instructions: no bfloat16 step")

@@ -99,30 +99,44 @@ def test_the_kernel_takes_any_layout_and_many_rows(kernel_folder, shape):
 
 
 @needs_kernel
+@pytest.mark.parametrize("instructions", ["AMX", "AVX512-BF16"], ids=["amx", "without-amx"])
 def test_int8_layers_take_the_kernel_up_to_few_rows_and_their_own_kernel_past_them(
-    kernel_folder, tmp_path, monkeypatch
+    kernel_folder, tmp_path, monkeypatch, instructions
 ):
-    """A model quantized from a folder with the kernel: every int8 layer has its weights for it, a product of up to
-    `FEW_ROWS` rows is the kernel's (3-D inputs too), one of more rows the layer's own packing, as before; a large
-    layer (more than `LARGE_LAYER` weights: made small here) takes it up to the few-rows step's 16 rows only."""
+    """A model quantized from a folder with the kernel: every int8 layer has its weights for it. Where the CPU has AMX
+    tiles a product of up to `FEW_ROWS` rows is the kernel's (3-D inputs too), one of more rows the layer's own
+    packing, as before; without them every product is the kernel's. A large layer (more than `LARGE_LAYER` weights:
+    made small here) takes it up to the few-rows step's 16 rows only, on either; the pre-softmax projection up to
+    `FEW_ROWS` on either."""
     model = VaswaniForConditionalGeneration(_tiny_config())
     model.save_pretrained(tmp_path / "model")
     shutil.copytree(kernel_folder / int8_rows.FOLDER, tmp_path / "model" / int8_rows.FOLDER)
     monkeypatch.setattr(int8_rows, "LARGE_LAYER", 40 * 32 - 1)  # the tiny model's pre-softmax projection (32 -> 40)
+    monkeypatch.setattr(int8_rows, "cpu_bf16_instructions", lambda: instructions)
     quantized = quantize_int8(VaswaniForConditionalGeneration.from_pretrained(tmp_path / "model"))
     layers = [module for module in quantized.modules() if type(module) is Int8Linear]
     assert layers and all("rows_packed" in module._buffers for module in layers)
+    every = instructions != "AMX"
     for layer, limit in ((layers[0], int8_rows.FEW_ROWS), (quantized.get_output_embeddings(), 16)):
-        assert int8_rows.rows_limit(layer) == limit
+        large = layer is quantized.get_output_embeddings()
+        assert layer.rows_kernel_elements == (int8_rows.ALL_ROWS if every and not large else limit) * layer.in_features
         weight, bias = layer._packed_params._weight_bias()
         few = torch.randn(2, limit // 2, layer.in_features)
         torch.testing.assert_close(layer(few), python_reference(few, weight, bias), rtol=1e-6, atol=1e-5)
+        if every and not large:  # the kernel's, one scale a row, past SCALE_ROWS rows too (no blocks of them)
+            many = torch.randn(Int8Linear.SCALE_ROWS + 3, layer.in_features)
+            torch.testing.assert_close(layer(many), python_reference(many, weight, bias), rtol=1e-6, atol=1e-5)
+            continue
         many = torch.randn(limit + 1, layer.in_features)
         # past the kernel's rows, the layer's own packing for that many rows: oneDNN's from `many_rows` on (where a
         # CPU has AMX tiles, from 32 rows), fbgemm's below
         onednn = layer.many_rows_params is not None and many.shape[0] >= layer.many_rows
         packing = layer.many_rows_params if onednn else layer._packed_params._packed_params
         assert torch.equal(layer(many), torch.ops.quantized.linear_dynamic(many, packing, True))
+    monkeypatch.setattr(int8_rows, "LARGE_LAYER", 1 << 23)
+    projection = quantize_int8(VaswaniForConditionalGeneration.from_pretrained(tmp_path / "model"))
+    projection = projection.get_output_embeddings()
+    assert projection.rows_kernel_elements == int8_rows.FEW_ROWS * projection.in_features
     ids = torch.tensor([[5, 6, 7, 8, 3]])
     out = quantized.generate(input_ids=ids, num_beams=3, max_new_tokens=6)
     assert out.shape[0] == 1 and out.shape[1] <= 7

@@ -95,6 +95,8 @@ FEW_ROWS_MAX = 8
 FEW_ROWS_MAX_BF16 = 6
 # The int8 few-rows kernel's calls without Python beat fbgemm's called through Python up to 16 rows (int8_rows.py).
 FEW_ROWS_MAX_INT8 = 16
+# The rows of a product an int8 layer gives that kernel where it takes every one (int8_rows.py's `rows_limit`).
+INT8_ALL_ROWS = 1 << 40
 FEW_ROWS_MAXIMA = {"float32": FEW_ROWS_MAX, "bfloat16": FEW_ROWS_MAX_BF16, "int8": FEW_ROWS_MAX_INT8}
 # An int8 layer's buffers for that kernel: derived from its int8 weights (which no fingerprint covers: the int8
 # steps read the layers), so no fingerprint of the weights covers them either.
@@ -582,8 +584,8 @@ class CompiledStep:
             if self.rows_decoder is not None:  # the model's own weights serve: the step's copy is not loaded
                 self.own, self.bound, self.embedding = None, _versions(model), self.embedding_table(model)
                 return
-        if self.int8 is not None and "rows_kernel" in self.manifest:  # the int8 few-rows step
-            self.rows_decoder = RowsDecoder.of(model)
+        if self.int8 is not None and ("rows_kernel" in self.manifest or int8_batched_on_library(model)):
+            self.rows_decoder = RowsDecoder.of(model)  # the int8 few-rows step, or the batched one where it may
             if self.rows_decoder is not None:  # bound to the model's own tensors as the step is
                 self.bound, self.int8 = _identity(model), [module for _, module in int8_layers(model)]
                 return
@@ -681,6 +683,19 @@ class CompiledStep:
         # input and output specs again at every step).
         flat = [tokens, *self_keys, *self_values, *cross_keys, *cross_values, sources, source_mask]
         return self.runner.boxed_run(flat)[0]
+
+
+def int8_batched_on_library(model: nn.Module) -> bool:
+    """Whether the int8 batched step's work goes through the beam-search library's step (`RowsDecoder`, its products
+    the int8 few-rows kernel's): where every int8 layer of the decoder's step takes that kernel at any number of rows
+    (`int8_rows.rows_limit`: a CPU without AMX tiles), so that the library's products are the eager layers'.
+    The compiled int8 step calls each of its 48 layers (the main job's model) through Python (`int8_linear`), some
+    10 us a call; the library calls the kernel itself, and follows beam search's reordering and the rows of finished
+    sources through lineages (`batched_on_library`)."""
+    layers = int8_layers(model.get_decoder())
+    return bool(layers) and all(
+        "rows_packed" in module._buffers and module.rows_kernel_elements >= INT8_ALL_ROWS for _, module in layers
+    )
 
 
 class CompiledEncoder(CompiledStep):

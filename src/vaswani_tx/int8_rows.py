@@ -8,7 +8,7 @@ reads each 64-byte block of the weights once for all the rows. The weights are t
 scales, repacked.
 
     vaswani-tx compile MODEL         # builds MODEL/kernels/int8_rows.so beside the int8 step (about 10 s, g++)
-    quantize_int8(model)             # a model loaded from MODEL: its int8 layers take the kernel at up to 32 rows
+    quantize_int8(model)             # a model loaded from MODEL: its int8 layers take the kernel (`rows_limit`)
 
 The float32 model from such a folder takes it too, in greedy search's int8 screen (fast_decoding.py's
 `ScreenedArgmax`): the screen's product of a step's rows by its int8 copy of the pre-softmax matrix, where torch's
@@ -30,10 +30,12 @@ import torch
 from . import compiled_decoding, native
 from .compiled_decoding import (
     FEW_ROWS_MAX_INT8,
+    INT8_ALL_ROWS,
     ROWS_BUFFERS,
     file_sha256,
 )
 from .errors import UserInputError
+from .precision import cpu_bf16_instructions
 
 FOLDER, LIBRARY = compiled_decoding.ROWS_KERNEL_FOLDER, compiled_decoding.ROWS_KERNEL_LIBRARY
 MANIFEST = compiled_decoding.MANIFEST  # what `native.build_into` writes beside the library
@@ -48,11 +50,25 @@ SOURCE = compiled_decoding.ROWS_KERNEL_SOURCE
 FEW_ROWS = 32
 # A layer with more weights than this takes the kernel up to FEW_ROWS_MAX_INT8 rows only (512 x 37,000 above).
 LARGE_LAYER = 1 << 23
+# Where the CPU has no AMX tiles (VNNI alone: fbgemm's kernels and oneDNN's are the same kind of loop as this one's),
+# the kernel takes a layer's products at every number of rows: its time over fbgemm's at 32 / 64 / 128 / 256 / 512 /
+# 2,600 rows was 0.50 / 0.58 / 0.65 / 0.73 / 0.79 / 0.29 at 256 x 256, 0.62 / 0.67 / 0.78 / 0.81 / 0.83 / 0.27 at
+# 256 x 1,024, 0.67-0.84 at 1,024 x 256 and 0.83-0.95 at the base shape's 512 x 2,048 (one thread, AMD EPYC Zen 5;
+# `benchmarks/bench_int8_kernels.py --rows-kernel`). Its one scale a row also makes the blocks of SCALE_ROWS rows
+# (`Int8Linear`) needless, and a batch's step and encoder make no call of fbgemm's (nor of Python, through the
+# beam-search library: `CompiledStep.bind`). With AMX tiles, oneDNN's kernel is several times faster from 32 rows.
+ALL_ROWS = INT8_ALL_ROWS
 
 
-def rows_limit(module: torch.nn.Module) -> int:
-    """The most rows of a product the kernel takes for this int8 layer (`FEW_ROWS`, fewer for a large one)."""
-    return FEW_ROWS_MAX_INT8 if module.in_features * module.out_features > LARGE_LAYER else FEW_ROWS
+def rows_limit(module: torch.nn.Module, projection: bool = False) -> int:
+    """The most rows of a product the kernel takes for this int8 layer: `FEW_ROWS` where the CPU has AMX tiles, any
+    number (`ALL_ROWS`) where it has not, and `FEW_ROWS_MAX_INT8` for a large one. The pre-softmax `projection` takes
+    it up to `FEW_ROWS` only: past those, oneDNN's kernel is faster at its many columns on either kind of CPU (8,000 x
+    256: 1.22 / 3.68 ms against the kernel's 1.42 / 4.82 at 256 / 800 rows, one thread, AMD EPYC Zen 5), and the
+    layer takes it from `Int8Linear.MANY_ROWS`."""
+    if module.in_features * module.out_features > LARGE_LAYER:
+        return FEW_ROWS_MAX_INT8
+    return FEW_ROWS if projection or cpu_bf16_instructions() == "AMX" else ALL_ROWS
 
 
 # The instructions the library is compiled for (gcc's names); the /proc/cpuinfo flags that say a CPU has them, and
@@ -84,11 +100,12 @@ def build(folder: str | os.PathLike) -> Path:
     return native.build_into(Path(folder) / FOLDER, SOURCE, LIBRARY, "int8 few-rows kernel", manifest, COMPILE_FLAGS)
 
 
-def attach_weights(module: torch.nn.Module) -> None:
+def attach_weights(module: torch.nn.Module, projection: bool = False) -> None:
     """Give an int8 layer (`quantize_int8`'s) its weights as the kernel reads them, as buffers: its int8 weights packed
     in blocks of 16 output rows, their scales, 128 times their sums (what the unsigned activations' offset adds to
     each product) and its bias in float32. Buffers, so that a compiled step that calls the kernel reads them as the
-    model's own tensors (compile_step.py)."""
+    model's own tensors (compile_step.py). The model's pre-softmax `projection` takes the kernel at fewer rows
+    (`rows_limit`)."""
     weight, bias = module._packed_params._weight_bias()
     if weight.qscheme() not in (torch.per_channel_symmetric, torch.per_channel_affine):
         raise ValueError(f"the int8 few-rows kernel takes weights with a scale a row, not {weight.qscheme()}")
@@ -100,7 +117,9 @@ def attach_weights(module: torch.nn.Module) -> None:
     tensors += (None if bias is None else bias.detach().float().contiguous(),)
     for name, tensor in zip(ROWS_BUFFERS, tensors):
         module.register_buffer(name, tensor, persistent=False)
-    module.rows_kernel_elements = rows_limit(module) * module.in_features  # Int8Linear.forward's test, precomputed
+    module.rows_kernel_elements = (
+        rows_limit(module, projection) * module.in_features
+    )  # Int8Linear.forward's test, precomputed
 
 
 def linear(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:

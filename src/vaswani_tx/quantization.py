@@ -23,7 +23,9 @@ benchmarks/bench_int8_kernels.py).
 On CPUs with AVX512-VNNI, where the model's folder holds the int8 few-rows kernel (`vaswani-tx compile`, int8_rows.py),
 products of up to 32 rows (16 for a layer of more than 8M weights) are that kernel's instead, on the same int8
 weights with the activations quantized a row at a time (a sentence a call, beam search over one source: 1.2-2.5x
-fbgemm's speed at 6 rows, 1.1-1.7x at 24-32, docs/speed.md).
+fbgemm's speed at 6 rows, 1.1-1.7x at 24-32, docs/speed.md); where the CPU has no AMX tiles, products of any number
+of rows (but the pre-softmax projection's past 32 and a large layer's past 16), ahead of fbgemm's there at every
+number measured.
 The quantized model is for inference only (no gradients) and is not saved with ``save_pretrained``:
 quantize after loading. ``benchmarks/bench_int8_bleu.py`` measures what int8 costs in BLEU and
 gains in speed against the float32 model.
@@ -123,9 +125,9 @@ class Int8Linear(DynamicQuantizedLinear):
     value), not bit for bit.
 
     Where the model's folder has the int8 few-rows kernel (int8_rows.py), products of up to
-    `int8_rows.rows_limit` rows (32, 16 for a large layer) are the kernel's, on the same int8 weights: one
-    activation scale a row, not one a call, so those too agree with the others to within the quantization's own
-    error.
+    `int8_rows.rows_limit` rows (32 where the CPU has AMX tiles or for the pre-softmax projection, any number
+    otherwise, 16 for a large layer) are the kernel's, on the same int8 weights: one activation scale a row, not one
+    a call, so those too agree with the others to within the quantization's own error.
 
     A product of more than `SCALE_ROWS` rows is one call a block of that many rows, each block's activations with
     their own scale (the kernels take one a call), so that rows far apart in a batch do not share one."""
@@ -169,9 +171,10 @@ class Int8Linear(DynamicQuantizedLinear):
 
 def use_rows_kernel(model: nn.Module) -> None:
     """Give each of the model's int8 layers its weights for the int8 few-rows kernel (loaded: `int8_rows.load`)."""
+    projection = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     for module in model.modules():
         if type(module) is Int8Linear:
-            int8_rows.attach_weights(module)
+            int8_rows.attach_weights(module, projection=module is projection)
 
 
 @contextlib.contextmanager
