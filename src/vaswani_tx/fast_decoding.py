@@ -1628,6 +1628,13 @@ def packed_for_beams_only(session, sources: int, rows: int) -> bool:
 REPEATED_FIRST_ROWS_MAX = 32
 
 
+def widened(tensor: torch.Tensor, fill: int) -> torch.Tensor:
+    """`tensor` (B, k, W) with a column more, of `fill` (beam search's sequences and beam indices, a step on)."""
+    out = tensor.new_full((*tensor.shape[:-1], tensor.shape[-1] + 1), fill)
+    out[..., :-1] = tensor
+    return out
+
+
 def output_fill(generation_config) -> int:
     """What transformers' beam search writes after a hypothesis' end: the pad id, or the first end-of-sentence id
     where the pad id is None or 0 (its `pad or eos` reads a 0 id as false), or -1 without either."""
@@ -1663,20 +1670,19 @@ def beam_search(model, input_ids, logits_processor, stopping_criteria, generatio
         (torch.ones(num_beams, dtype=torch.bool), torch.zeros(beams_to_keep - num_beams, dtype=torch.bool))
     ).to(device)
 
+    # The sequences and beam indices are as wide as the steps so far, a column wider each step (`widened`), where
+    # transformers' are max_length wide from the start: each step gathers and concatenates them some fifteen times
+    # (`top_k_continuations`, `_get_running_beams_for_next_iteration`, `_update_finished_beams`), and their columns
+    # past the current one hold nothing but the fill. The same hypotheses, the same output.
     output_fill_value = output_fill(generation_config)
-    running_sequences = torch.full(
-        (batch_size, num_beams, max_length), fill_value=output_fill_value, dtype=torch.int64, device=device
-    )
-    running_sequences[:, :, :cur_len] = input_ids.view(batch_size, num_beams, cur_len)
+    running_sequences = input_ids.view(batch_size, num_beams, cur_len).clone()
     sequences = running_sequences.clone()
     running_beam_scores = torch.zeros((batch_size, num_beams), dtype=torch.float, device=device)
     running_beam_scores[:, 1:] = -1e9
     beam_scores = torch.full((batch_size, num_beams), fill_value=-1e9, dtype=torch.float, device=device)
     is_sent_finished = torch.zeros((batch_size, num_beams), dtype=torch.bool, device=device)
     is_early_stop_heuristic_unsatisfied = torch.ones((batch_size, 1), dtype=torch.bool, device=device)
-    running_beam_indices = torch.full(
-        (batch_size, num_beams, max_length - cur_len), fill_value=-1, dtype=torch.int32, device=device
-    )
+    running_beam_indices = torch.full((batch_size, num_beams, 0), fill_value=-1, dtype=torch.int32, device=device)
     beam_indices = running_beam_indices.clone()
 
     session = open_session(model, model_kwargs, input_ids, max_length, rows_per_source=num_beams)
@@ -1687,7 +1693,7 @@ def beam_search(model, input_ids, logits_processor, stopping_criteria, generatio
     # rows of a Multi30k val run). Otherwise their rows stay there, frozen.
     narrowing, processors = sources_can_leave(logits_processor, stopping_criteria), logits_processor
     sources = torch.arange(batch_size, device=device)  # the original source of each bookkeeping row
-    finished_sequences, finished_beam_indices = sequences, beam_indices  # a source's final rows, by original id
+    final = []  # (original ids, sequences, beam indices) of the sources that left, as wide as they were then
     active = torch.arange(batch_size, device=device)  # the bookkeeping's sources still decoded
     active_rows = None  # their rows, source-major (None: all)
     while True:
@@ -1715,6 +1721,11 @@ def beam_search(model, input_ids, logits_processor, stopping_criteria, generatio
         log_probs = process(processors, flat_running_sequences, log_probs, columns)
         # (B, k, V): `largest` adds the beams' scores where it looks (transformers adds them to all k x V first)
         log_probs = log_probs.view(batch_size, num_beams, -1)
+        running_sequences, sequences = (
+            widened(running_sequences, output_fill_value),
+            widened(sequences, output_fill_value),
+        )
+        running_beam_indices, beam_indices = widened(running_beam_indices, -1), widened(beam_indices, -1)
         topk_log_probs, topk_running_sequences, topk_running_beam_indices = top_k_continuations(
             model,
             log_probs,
@@ -1786,10 +1797,7 @@ def beam_search(model, input_ids, logits_processor, stopping_criteria, generatio
             keep = keep.view(-1, num_beams)[kept_sources].reshape(-1)
             session.select(kept_sources, keep)
             if narrowing:  # ... and the bookkeeping (all its sources are active: `still` are rows)
-                if finished_sequences is sequences:
-                    finished_sequences, finished_beam_indices = sequences.clone(), beam_indices.clone()
-                finished_sequences[sources[finished]] = sequences[finished]  # their hypotheses are final
-                finished_beam_indices[sources[finished]] = beam_indices[finished]
+                final.append((sources[finished], sequences[finished], beam_indices[finished]))  # their hypotheses
                 running = [t[still] for t in (sources, running_sequences, running_beam_scores, running_beam_indices)]
                 sources, running_sequences, running_beam_scores, running_beam_indices = running
                 ended = [t[still] for t in (sequences, beam_scores, beam_indices, is_sent_finished)]
@@ -1808,9 +1816,14 @@ def beam_search(model, input_ids, logits_processor, stopping_criteria, generatio
         flat_running_sequences = running_sequences[:, :, :cur_len].reshape(batch_size * num_beams, cur_len)
         tokens = flat_running_sequences[:, -1:] if active_rows is None else flat_running_sequences[active_rows, -1:]
 
-    if finished_sequences is not sequences:
-        finished_sequences[sources], finished_beam_indices[sources] = sequences, beam_indices
-        sequences, beam_indices = finished_sequences, finished_beam_indices
+    if final:  # every source's final hypotheses in their original order, the narrower ones filled out
+        final.append((sources, sequences, beam_indices))
+        count = sum(part[0].numel() for part in final)
+        sequences = sequences.new_full((count, num_beams, sequences.shape[-1]), output_fill_value)
+        beam_indices = beam_indices.new_full((count, num_beams, beam_indices.shape[-1]), -1)
+        for ids, part_sequences, part_indices in final:
+            sequences[ids, :, : part_sequences.shape[-1]] = part_sequences
+            beam_indices[ids, :, : part_indices.shape[-1]] = part_indices
     sequences = sequences[:, :num_return_sequences, :].reshape(-1, sequences.shape[-1])
     beam_indices = beam_indices[:, :num_return_sequences, :].reshape(-1, beam_indices.shape[-1])
     max_generated_length = ((beam_indices + 1).bool()).sum(dim=1).max()
