@@ -1012,6 +1012,47 @@ def test_an_int8_batchs_step_is_the_librarys_where_every_layer_takes_the_kernel(
     assert batched and all(on_library == library for on_library in batched)
 
 
+@pytest.mark.skipif(not int8_rows.cpu_supports()[0], reason="a CPU without AVX512-VNNI: no int8 few-rows kernel")
+@pytest.mark.parametrize("instructions", ["AMX", "AVX512-BF16"], ids=["amx", "without-amx"])
+def test_an_int8_batch_is_encoded_a_source_at_a_time_by_the_library(compiled_folder, monkeypatch, instructions):
+    """Without AMX tiles an int8 model's batch of right-padded sources is encoded by the library's encoder a source at a
+    time (`SourcesApart`): at each source's own positions the eager int8 encoder's output, keys and values (to float32
+    rounding), zeros at the padding, and generate() gives the eager int8 path's ids. With AMX tiles, or sources padded
+    on the left, the eager encoder."""
+    monkeypatch.setattr(int8_rows, "cpu_bf16_instructions", lambda: instructions)
+    model, _ = int8_twins(compiled_folder)
+    eager, _ = int8_twins(compiled_folder)
+    eager._compiled_folder = None  # (no folder: the eager encoder, and no step)
+    eager._compiled_step = None
+    ids, mask = batch(seed=6, lengths=(7, 3, 5, 2))
+    with torch.inference_mode():
+        encoder = compiled_decoding.encoder_for(model, ids, mask)
+        if instructions == "AMX":
+            assert encoder is None
+            return
+        assert type(encoder) is compiled_decoding.SourcesApart
+        encoded = encoder(ids)
+        hidden = eager.get_encoder()(input_ids=ids, attention_mask=mask).last_hidden_state
+        for i, length in enumerate(mask.sum(1).tolist()):
+            torch.testing.assert_close(encoded.hidden[i, :length], hidden[i, :length], rtol=1e-4, atol=1e-4)
+            assert not encoded.hidden[i, length:].any()
+            for index, layer in enumerate(eager.get_decoder().layers):
+                keys, values = layer.cross_attn.keys_values(hidden[i : i + 1, :length])
+                torch.testing.assert_close(encoded.keys[index][i : i + 1, :, :length], keys, rtol=1e-4, atol=1e-4)
+                torch.testing.assert_close(encoded.values[index][i : i + 1, :, :length], values, rtol=1e-4, atol=1e-4)
+        left = torch.stack([row.roll(int(n), 0) for row, n in zip(mask, (mask.shape[1] - mask.sum(1)).tolist())])
+        assert compiled_decoding.encoder_for(model, ids, left) is None
+    calls = []
+    original = compiled_decoding.SourcesApart.__call__
+    monkeypatch.setattr(
+        compiled_decoding.SourcesApart, "__call__", lambda self, x: calls.append(1) or original(self, x)
+    )
+    for settings in (dict(num_beams=1), dict(num_beams=4)):
+        kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=10, **settings)
+        assert torch.equal(model.generate(**kwargs), eager.generate(**kwargs))
+    assert len(calls) == 2
+
+
 @pytest.mark.skipif(not bf16_is_fast("cpu")[0], reason="a CPU without bf16 instructions: no bfloat16 step")
 def test_a_bfloat16_model_decodes_through_the_bfloat16_step(compiled_folder, tmp_path, caplog, steps):
     """Where the CPU has bf16 instructions `vaswani-tx compile` also writes the bfloat16 model's step (`compiled-bf16`),
