@@ -5,10 +5,13 @@ layers.
     PYTHONPATH=src .venv/bin/python benchmarks/bench_int8_kernels.py [--threads 1] [--repeats 200]
     PYTHONPATH=src .venv/bin/python benchmarks/bench_int8_kernels.py --rows-kernel   # fbgemm against int8_rows.py's
 
-`--rows-kernel`: where `int8_rows.FEW_ROWS` comes from. fbgemm's kernel against the int8 few-rows kernel (built into a
-temporary folder first, about 10 s), on the same int8 weights, at the main job's model's layers (256 x 256,
-256 x 1,024, 1,024 x 256, 256 x 8,000), the base shape's and a few rows: each cell fbgemm's time over the kernel's
-(above 1: the kernel faster), with the kernel's microseconds at 6 rows (beam 6 over one source) beside.
+`--rows-kernel`: where `int8_rows.FEW_ROWS` and `rows_limit` come from. fbgemm's kernel against the int8 few-rows
+kernel (built into a temporary folder first, about 10 s), on the same int8 weights, at the main job's model's layers
+(256 x 256, 256 x 1,024, 1,024 x 256, 256 x 8,000), the base shape's and a few rows: each cell fbgemm's time over the
+kernel's (above 1: the kernel faster), with the kernel's microseconds at 6 rows (beam 6 over one source) beside; then
+the same for oneDNN's kernel on the same weights (what a layer takes from `many_rows` rows). `--rows 32 64 128 256
+512 2600`: more rows (a batch's steps and its encoder), where on a CPU without AMX tiles every product of a layer
+but the pre-softmax projection is the kernel's.
 
 Shapes (in x out): the attention projections 512 x 512, the feed-forward layers 512 x 2048 and 2048 x 512, the
 pre-softmax projections 256 x 8000 (the main job's model) and 512 x 37000 (the paper's base). Each cell is
@@ -71,25 +74,38 @@ def rows_kernel(args) -> None:
     with tempfile.TemporaryDirectory() as folder:
         int8_rows.build(folder)
         int8_rows.load(folder)
-    print(f"torch {torch.__version__}, {args.threads} thread(s); fbgemm time / int8 few-rows kernel time")
-    print(f"{'in x out':>12} " + " ".join(f"{rows:>6}" for rows in ROWS_KERNEL_ROWS) + "   kernel at 6 rows")
-    for inputs, outputs, module in quantized_layers(ROWS_KERNEL_SHAPES):
-        int8_rows.attach_weights(module)
-        fbgemm = module._packed_params._packed_params
-        cells, six = [], 0.0
-        for rows in ROWS_KERNEL_ROWS:
-            x = torch.randn(rows, inputs)
-            repeats = max(5, args.repeats * 8 // max(rows, 8) * 512 // max(outputs, 512))
-            pairs = [
-                (seconds(fbgemm, x, repeats), timed(functools.partial(int8_rows.linear, module, x), repeats))
-                for _ in range(args.rounds)
-            ]
-            cells.append(statistics.median(a / b for a, b in pairs))
-            six = statistics.median(b for _, b in pairs) if rows == 6 else six
-        print(f"{inputs:>5} x {outputs:<5} " + " ".join(f"{c:6.2f}" for c in cells) + f"   {six * 1e6:8.1f} us")
+    rows_list = tuple(args.rows or ROWS_KERNEL_ROWS)
+    layers = list(quantized_layers(ROWS_KERNEL_SHAPES))
+    for name, packing in (
+        ("fbgemm", lambda m: m._packed_params._packed_params),
+        ("oneDNN", lambda m: m.many_rows_params),
+    ):
+        print(f"torch {torch.__version__}, {args.threads} thread(s); {name} time / int8 few-rows kernel time")
+        print(f"{'in x out':>12} " + " ".join(f"{rows:>6}" for rows in rows_list) + "   kernel at 6 rows")
+        for inputs, outputs, module in layers:
+            if packing(module) is None:
+                continue  # (torch without oneDNN's int8 engine)
+            int8_rows.attach_weights(module)
+            cells, six = [], 0.0
+            for rows in rows_list:
+                x = torch.randn(rows, inputs)
+                repeats = max(5, args.repeats * 8 // max(rows, 8) * 512 // max(outputs, 512))
+                pairs = [
+                    (
+                        seconds(packing(module), x, repeats),
+                        timed(functools.partial(int8_rows.linear, module, x), repeats),
+                    )
+                    for _ in range(args.rounds)
+                ]
+                cells.append(statistics.median(a / b for a, b in pairs))
+                six = statistics.median(b for _, b in pairs) if rows == 6 else six
+            print(f"{inputs:>5} x {outputs:<5} " + " ".join(f"{c:6.2f}" for c in cells) + f"   {six * 1e6:8.1f} us")
+    amx = int8_rows.cpu_bf16_instructions() == "AMX"
     print(
-        f"int8_rows.FEW_ROWS = {int8_rows.FEW_ROWS}: the kernel takes products of up to that many rows "
-        f"(a layer of more than {int8_rows.LARGE_LAYER:,} weights: {int8_rows.FEW_ROWS_MAX_INT8})"
+        f"int8_rows.FEW_ROWS = {int8_rows.FEW_ROWS}: the kernel takes products of up to that many rows where the CPU "
+        f"has AMX tiles ({'this one has' if amx else 'this one has not'}; without them, every product but the "
+        f"pre-softmax projection's past that); a layer of more than {int8_rows.LARGE_LAYER:,} weights: "
+        f"{int8_rows.FEW_ROWS_MAX_INT8}"
     )
 
 
@@ -104,6 +120,7 @@ def main() -> None:
     )
     parser.add_argument("--rounds", type=int, default=5, help="alternating measurements per cell (default 5)")
     parser.add_argument("--rows-kernel", action="store_true", help="fbgemm against the int8 few-rows kernel instead")
+    parser.add_argument("--rows", type=int, nargs="+", help="with --rows-kernel: these numbers of rows instead")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if args.rows_kernel:
