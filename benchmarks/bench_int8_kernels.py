@@ -81,7 +81,8 @@ def rows_kernel(args) -> None:
         ("oneDNN", lambda m: m.many_rows_params),
     ):
         print(f"torch {torch.__version__}, {args.threads} thread(s); {name} time / int8 few-rows kernel time")
-        print(f"{'in x out':>12} " + " ".join(f"{rows:>6}" for rows in rows_list) + "   kernel at 6 rows")
+        six_label = "   kernel at 6 rows" if 6 in rows_list else ""
+        print(f"{'in x out':>12} " + " ".join(f"{rows:>6}" for rows in rows_list) + six_label)
         for inputs, outputs, module in layers:
             if packing(module) is None:
                 continue  # (torch without oneDNN's int8 engine)
@@ -99,7 +100,8 @@ def rows_kernel(args) -> None:
                 ]
                 cells.append(statistics.median(a / b for a, b in pairs))
                 six = statistics.median(b for _, b in pairs) if rows == 6 else six
-            print(f"{inputs:>5} x {outputs:<5} " + " ".join(f"{c:6.2f}" for c in cells) + f"   {six * 1e6:8.1f} us")
+            six_cell = f"   {six * 1e6:8.1f} us" if six_label else ""
+            print(f"{inputs:>5} x {outputs:<5} " + " ".join(f"{c:6.2f}" for c in cells) + six_cell)
     amx = int8_rows.cpu_bf16_instructions() == "AMX"
     print(
         f"int8_rows.FEW_ROWS = {int8_rows.FEW_ROWS}: the kernel takes products of up to that many rows where the CPU "

@@ -51,21 +51,23 @@ FEW_ROWS = 32
 # A layer with more weights than this takes the kernel up to FEW_ROWS_MAX_INT8 rows only (512 x 37,000 above).
 LARGE_LAYER = 1 << 23
 # Where the CPU has no AMX tiles (VNNI alone: fbgemm's kernels and oneDNN's are the same kind of loop as this one's),
-# the kernel takes a layer's products at every number of rows: its time over fbgemm's at 32 / 64 / 128 / 256 / 512 /
-# 2,600 rows was 0.50 / 0.58 / 0.65 / 0.73 / 0.79 / 0.29 at 256 x 256, 0.62 / 0.67 / 0.78 / 0.81 / 0.83 / 0.27 at
-# 256 x 1,024, 0.67-0.84 at 1,024 x 256 and 0.83-0.95 at the base shape's 512 x 2,048 (one thread, AMD EPYC Zen 5;
-# `benchmarks/bench_int8_kernels.py --rows-kernel`). Its one scale a row also makes the blocks of SCALE_ROWS rows
-# (`Int8Linear`) needless, and a batch's step and encoder make no call of fbgemm's (nor of Python, through the
-# beam-search library: `CompiledStep.bind`). With AMX tiles, oneDNN's kernel is several times faster from 32 rows.
+# the kernel takes a layer's products at every number of rows. fbgemm's time over the kernel's at 32 / 64 / 128 / 256 /
+# 512 / 2,600 rows: 1.94 / 1.67 / 1.55 / 1.38 / 1.30 / 1.21 at 256 x 256, 1.55-1.17 at 256 x 1,024, 1.48-1.14 at
+# 1,024 x 256, 1.25-1.06 at the base shape's 512 x 2,048 (one thread, AMD EPYC Zen 5; `benchmarks/bench_int8_kernels.py
+# --rows-kernel --rows 32 64 128 256 512 2600`). oneDNN's, which a layer took from 384 rows, is 0.84-1.0x the
+# kernel's time at 256-2,600 rows of the feed-forward shapes only, where a batch's encoder goes a source at a time
+# anyway (`SourcesApart`). The kernel's one scale a row also makes the blocks of SCALE_ROWS rows (`Int8Linear`)
+# needless, and a batch's step calls neither fbgemm nor Python (the beam-search library's step:
+# `int8_batched_on_library`). With AMX tiles, oneDNN's kernel is several times faster from 32 rows.
 ALL_ROWS = INT8_ALL_ROWS
 
 
 def rows_limit(module: torch.nn.Module, projection: bool = False) -> int:
     """The most rows of a product the kernel takes for this int8 layer: `FEW_ROWS` where the CPU has AMX tiles, any
     number (`ALL_ROWS`) where it has not, and `FEW_ROWS_MAX_INT8` for a large one. The pre-softmax `projection` takes
-    it up to `FEW_ROWS` only: past those, oneDNN's kernel is faster at its many columns on either kind of CPU (8,000 x
-    256: 1.22 / 3.68 ms against the kernel's 1.42 / 4.82 at 256 / 800 rows, one thread, AMD EPYC Zen 5), and the
-    layer takes it from `Int8Linear.MANY_ROWS`."""
+    it up to `FEW_ROWS` only: past those, oneDNN's kernel is as fast or faster at its many columns on either kind of
+    CPU (8,000 x 256: 0.85-0.97x the kernel's time at 128-2,600 rows, one thread, AMD EPYC Zen 5), and the layer takes
+    it from `Int8Linear.MANY_ROWS`."""
     if module.in_features * module.out_features > LARGE_LAYER:
         return FEW_ROWS_MAX_INT8
     return FEW_ROWS if projection or cpu_bf16_instructions() == "AMX" else ALL_ROWS
