@@ -1721,10 +1721,8 @@ def beam_search(model, input_ids, logits_processor, stopping_criteria, generatio
         log_probs = process(processors, flat_running_sequences, log_probs, columns)
         # (B, k, V): `largest` adds the beams' scores where it looks (transformers adds them to all k x V first)
         log_probs = log_probs.view(batch_size, num_beams, -1)
-        running_sequences, sequences = (
-            widened(running_sequences, output_fill_value),
-            widened(sequences, output_fill_value),
-        )
+        running_sequences = widened(running_sequences, output_fill_value)
+        sequences = widened(sequences, output_fill_value)
         running_beam_indices, beam_indices = widened(running_beam_indices, -1), widened(beam_indices, -1)
         topk_log_probs, topk_running_sequences, topk_running_beam_indices = top_k_continuations(
             model,

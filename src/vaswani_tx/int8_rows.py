@@ -119,9 +119,8 @@ def attach_weights(module: torch.nn.Module, projection: bool = False) -> None:
     tensors += (None if bias is None else bias.detach().float().contiguous(),)
     for name, tensor in zip(ROWS_BUFFERS, tensors):
         module.register_buffer(name, tensor, persistent=False)
-    module.rows_kernel_elements = (
-        rows_limit(module, projection) * module.in_features
-    )  # Int8Linear.forward's test, precomputed
+    # Int8Linear.forward's test, precomputed
+    module.rows_kernel_elements = rows_limit(module, projection) * module.in_features
 
 
 def linear(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
