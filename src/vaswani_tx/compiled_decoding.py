@@ -692,10 +692,13 @@ def int8_batched_on_library(model: nn.Module) -> bool:
     The compiled int8 step calls each of its 48 layers (the main job's model) through Python (`int8_linear`), some
     10 us a call; the library calls the kernel itself, and follows beam search's reordering and the rows of finished
     sources through lineages (`batched_on_library`)."""
-    layers = int8_layers(model.get_decoder())
-    return bool(layers) and all(
-        "rows_packed" in module._buffers and module.rows_kernel_elements >= INT8_ALL_ROWS for _, module in layers
-    )
+    layers = [module for _, module in int8_layers(model.get_decoder())]
+    return bool(layers) and all(map(takes_every_row, layers))
+
+
+def takes_every_row(layer: nn.Module) -> bool:
+    """Whether this int8 layer's products are all the int8 few-rows kernel's (its buffers, and no limit on rows)."""
+    return "rows_packed" in layer._buffers and layer.rows_kernel_elements >= INT8_ALL_ROWS
 
 
 class CompiledEncoder(CompiledStep):
@@ -803,12 +806,12 @@ class SourcesApart:
         """The batch encoder for `model` and these padded sources, or None (the eager encoder): an int8 model whose
         layers all take the kernel at any number of rows, sources padded on the right (each source's positions then
         those of the source alone) by `attention_mask`, and what `encoder_for` asks of one source."""
-        if precision(model) != "int8" or (attention_mask is not None and attention_mask.shape != input_ids.shape):
+        if attention_mask is not None and attention_mask.shape != input_ids.shape:
             return None
         projection = model.get_output_embeddings()  # (which no encoder reads, and which takes fewer rows)
         layers = [module for _, module in int8_layers(model) if module is not projection]
-        if not all("rows_packed" in m._buffers and m.rows_kernel_elements >= INT8_ALL_ROWS for m in layers):
-            return None
+        if not layers or not all(map(takes_every_row, layers)):
+            return None  # (no int8 layers: a float32 or bfloat16 model)
         mask = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
         lengths = mask.sum(1)
         if not torch.equal(mask, torch.arange(mask.shape[1], device=mask.device) < lengths[:, None]):

@@ -668,8 +668,7 @@ class OwnProjection:
     def __call__(self, hidden: torch.Tensor, log_softmax: bool = False) -> torch.Tensor:
         rows = hidden.reshape(-1, hidden.shape[-1])
         count, vocabulary = rows.shape[0], self.vocabulary
-        # (logits too large for a fresh tensor go a block at a time, as below, where the layer takes every row)
-        if self.few_rows is not None and rows.numel() <= self.few_rows[0] and fits_fresh(count, vocabulary):
+        if self.few_rows is not None and rows.numel() <= self.few_rows[0]:
             logits = torch.ops.vaswani_tx_int8.linear(rows, *self.few_rows[1:])
             if self.final_bias is not None:
                 logits = logits + self.final_bias
