@@ -202,6 +202,42 @@ def test_sigterm_while_writing_leaves_the_earlier_file(tmp_path):
     assert target.read_text() == "good\n" and leftovers(tmp_path) == []
 
 
+def test_a_sigterm_that_lands_where_python_drops_exceptions_still_stops_the_block(tmp_path):
+    """Python runs a signal's handler between any two bytecodes, also inside a ``__del__`` or a weakref callback
+    (an import's module-lock callback), where the ``KeyboardInterrupt`` it raises is printed and dropped: the
+    block went on and the process exited 0 (what CI once met in a compiling process). Here the signal is raised
+    inside a ``__del__``; the block must still stop, its file must not be written, and nothing is printed."""
+    target = tmp_path / "out.txt"
+    target.write_text("good\n")
+    code = textwrap.dedent(f"""
+        import signal, sys, time
+        from vaswani_tx.atomic import atomic_file, sigterm_as_interrupt
+
+        def a_call():  # its first bytecode is where the pending handler runs: inside __del__
+            pass
+
+        class Freed:
+            def __del__(self):
+                signal.raise_signal(signal.SIGTERM)
+                a_call()
+
+        received = []
+        try:
+            with sigterm_as_interrupt(received), atomic_file({str(target)!r}) as partial:
+                with open(partial, "w") as file:
+                    file.write("partial")
+                Freed()  # freed at once
+                deadline = time.monotonic() + 20
+                while time.monotonic() < deadline:
+                    time.sleep(0.01)
+        except KeyboardInterrupt:
+            sys.exit(143 if received == [signal.SIGTERM] else 130)
+    """)
+    result = subprocess.run([sys.executable, "-c", code], env=ENV, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 143 and result.stderr == "", result.stderr
+    assert target.read_text() == "good\n" and leftovers(tmp_path) == []
+
+
 # ---- translate ----
 
 

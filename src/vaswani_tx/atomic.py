@@ -31,6 +31,7 @@ import re
 import secrets
 import shutil
 import signal
+import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -253,21 +254,41 @@ def atomic_folder(target: str | os.PathLike, merge: bool = False, keep_unchanged
 def sigterm_as_interrupt(received: list[int] | None = None) -> Iterator[None]:
     """Inside the block SIGTERM raises ``KeyboardInterrupt`` (and is appended to `received`), so that clean-ups
     run as for Ctrl-C; the previous handler is restored after. Outside the main thread it does nothing (Python
-    runs signal handlers there only)."""
+    runs signal handlers there only).
+
+    Python runs a handler between any two bytecodes, so the signal may land inside a weakref callback or a
+    ``__del__`` (an import's module-lock callback, a tensor freed), where an exception is printed as "Exception
+    ignored in ..." and dropped: the process would go on as if never stopped. Such a dropped interrupt is not
+    printed; SIGTERM is sent to the main thread again a moment later, until it lands where it can stop the block."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
+    ours: list[KeyboardInterrupt] = []  # the interrupts this block raised, to know them when one is dropped
+    again: list[threading.Timer] = []
 
     def interrupt(signum, frame):
-        if received is not None:
+        if received is not None and not again:  # a signal sent again is the same stop, counted once
             received.append(signum)
-        raise KeyboardInterrupt(f"signal {signal.Signals(signum).name}")
+        ours.append(KeyboardInterrupt(f"signal {signal.Signals(signum).name}"))
+        raise ours[-1]
 
+    def dropped(unraisable) -> None:
+        if not any(unraisable.exc_value is error for error in ours):
+            return previous_hook(unraisable)
+        resend = threading.Timer(0.01, signal.pthread_kill, (threading.main_thread().ident, signal.SIGTERM))
+        resend.daemon = True
+        again.append(resend)
+        resend.start()
+
+    previous_hook, sys.unraisablehook = sys.unraisablehook, dropped
     previous = signal.signal(signal.SIGTERM, interrupt)
     try:
         yield
     finally:
+        for resend in again:  # a signal sent again after the block would meet the previous handler
+            resend.cancel()
         signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+        sys.unraisablehook = previous_hook
 
 
 __all__ = ["atomic_file", "atomic_folder", "sigterm_as_interrupt", "write_bytes", "write_text"]
