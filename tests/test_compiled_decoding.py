@@ -474,6 +474,47 @@ def test_an_int8_projection_of_a_few_rows_is_the_layers_own_product(compiled_fol
                 torch.testing.assert_close(projection(hidden, log_softmax=True), torch.log_softmax(expected, -1))
 
 
+def test_a_float32_projection_of_a_few_rows_is_the_librarys_where_w_fits_the_cache(compiled_folder, monkeypatch):
+    """Where oneDNN is the chosen library and the float32 W takes at most half the last-level cache, a call of up to
+    `ROWS_PROJECTION_MAX_ROWS` rows projects through the library's few-rows product on the model's own W (nothing
+    packed): W's product to float32 rounding, and its log-softmax; a sentence a call gives the eager model's ids
+    through it. A call of more rows, a W past half the cache, or oneMKL's CPUs keep the packed products."""
+    model = VaswaniForConditionalGeneration.from_pretrained(compiled_folder)  # (loads the folder's library)
+    library = sys.modules.get(compiled_decoding.BEAMS_MODULE)
+    if library is None or not library.decoder_rows_supported():
+        pytest.skip("a CPU without AVX-512: no few-rows products")
+    weight = fast_decoding.projection_weight(model, bfloat16=True)
+    size = weight.numel() * weight.element_size()
+    monkeypatch.setenv(compiled_decoding.GEMM_VARIABLE, "onednn")
+    monkeypatch.setattr(fast_decoding, "last_level_cache_bytes", lambda: 2 * size)  # (any machine's cache)
+    most = fast_decoding.ROWS_PROJECTION_MAX_ROWS
+    for rows in (1, 4, most):
+        projection = fast_decoding.Projection.of(model, rows)
+        assert projection.library is library and projection.packed is None
+        hidden = torch.randn(rows, 1, model.config.d_model, generator=torch.Generator().manual_seed(rows))
+        with torch.inference_mode():
+            expected = (hidden.reshape(rows, -1) @ weight.t()).view(rows, 1, -1)
+            torch.testing.assert_close(projection(hidden), expected, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(projection(hidden, log_softmax=True), torch.log_softmax(expected, -1))
+    assert fast_decoding.Projection.of(model, most + 1).library is None
+    with monkeypatch.context() as patch:
+        patch.setattr(fast_decoding, "last_level_cache_bytes", lambda: 2 * size - 1)
+        assert fast_decoding.Projection.of(model, 4).library is None
+    with monkeypatch.context() as patch:
+        patch.setenv(compiled_decoding.GEMM_VARIABLE, "mkl")
+        assert fast_decoding.Projection.of(model, 4).library is None
+    projected = []
+    original = library.rows_projection
+    monkeypatch.setattr(library, "rows_projection", lambda *args: projected.append(1) or original(*args))
+    eager = eager_twin(compiled_folder)
+    for seed, beams in ((1, 1), (2, 4), (3, 5)):
+        ids, mask = batch(seed=seed, lengths=(7,))
+        kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=12, num_beams=beams)
+        projected.clear()
+        assert torch.equal(model.generate(**kwargs), eager.generate(**kwargs))
+        assert projected or beams == 1  # (greedy's float32 argmax may go through its int8 screen instead)
+
+
 @pytest.mark.parametrize("settings", [dict(num_beams=1), dict(num_beams=4)], ids=["greedy", "beam"])
 def test_a_call_down_to_a_few_rows_goes_on_through_the_few_rows_step(
     compiled_folder, settings, few_rows_calls, monkeypatch
