@@ -212,6 +212,9 @@ def test_beam_searchs_first_step_takes_the_projection_packed_for_the_beams(monke
     """oneMKL packs W for one number of rows, the beams': the first step's one row a source goes through that packing,
     repeated for its beams, rather than through the plain W; oneDNN's packing takes any number of rows, so the first
     step projects one row a source. The ids stay transformers', also for one source at a time."""
+    # (where the beam-search library is loaded in this process, a call of a few rows would take its product on the
+    # plain W instead: `projection_library`, tested in test_compiled_decoding.py)
+    monkeypatch.setattr(fast_decoding, "projection_library", lambda weight, rows: None)
     products = []  # (whose product, its rows), in order
     packed = fast_decoding.PackedProjection.__call__
     monkeypatch.setattr(
@@ -606,6 +609,8 @@ def test_a_call_that_packs_reads_only_the_packed_weights_and_gives_the_plain_one
     if not compiled_decoding.onednn_linear_available():
         pytest.skip("torch without oneDNN's inner product")
     monkeypatch.setenv(compiled_decoding.GEMM_VARIABLE, "onednn")
+    # (a W the beam-search library's few-rows product reads, `projection_library`, stays unpacked: not this test's)
+    monkeypatch.setattr(fast_decoding, "projection_library", lambda weight, rows: None)
     given_back = []
     monkeypatch.setattr(fast_decoding, "release_file_pages", lambda tensor: given_back.append(tensor) or 0)
     tiny_model().save_pretrained(tmp_path)
