@@ -662,7 +662,9 @@ def projection_library(weight: torch.Tensor, rows: int):
     takes at most half the last-level cache (the step's weights share it): there the library's product read the main
     job's model's 8 MB W a quarter faster than oneDNN's on W packed for it (4 rows: 0.21-0.23 against 0.26-0.29 ms,
     one thread, AMD EPYC Zen 5), where oneDNN's packed layout streamed the base shape's 75 MB W from memory the
-    faster (2.3-2.5 against 2.7-2.9 ms). Not measured on oneMKL's CPUs (Intel's), which keep oneMKL's packed W."""
+    faster (2.3-2.5 against 2.7-2.9 ms). Not measured on oneMKL's CPUs (Intel's), which keep oneMKL's packed W.
+    A process that also decodes batches (whose calls pack W and give its plain pages back, `PackedProjection`) reads
+    the plain W again at its next sentence: both copies, at most half the cache's size more than before."""
     library = sys.modules.get(BEAMS_MODULE)
     if (
         library is None
