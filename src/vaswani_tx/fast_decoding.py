@@ -612,20 +612,18 @@ class Projection:
     def __call__(self, hidden: torch.Tensor, log_softmax: bool = False) -> torch.Tensor:
         """The logits (..., V), or their log-softmax (written over them: beam search's scores)."""
         rows = hidden.reshape(-1, hidden.shape[-1])
-        if self.library is not None and rows.shape[0] <= ROWS_PROJECTION_MAX_ROWS:
-            if self.buffer is None or self.buffer.shape[0] < rows.shape[0]:
-                self.buffer = kept_rows(self, self.kept, self.buffer, rows.shape[0], self.weight.shape[0], rows.device)
-            logits = self.buffer[: rows.shape[0]]
-            self.library.rows_projection(rows.contiguous(), self.weight, logits)
-            return in_log_space(logits, log_softmax).view(*hidden.shape[:-1], -1)
-        packed = self.packed is not None and self.packed.serves(rows.shape[0])
+        packed = self.packed is not None and self.packed.serves(rows.shape[0])  # (never with the library's)
         if packed and self.packed.whole and fits_fresh(rows.shape[0], self.weight.shape[0]):
             return self.packed(hidden, log_softmax=log_softmax)
         if self.buffer is None or self.buffer.shape[0] < rows.shape[0]:
             self.buffer = kept_rows(self, self.kept, self.buffer, rows.shape[0], self.weight.shape[0], rows.device)
+        logits = self.buffer[: rows.shape[0]]
         if packed:
-            return self.packed(hidden, out=self.buffer[: rows.shape[0]], log_softmax=log_softmax)
-        logits = torch.mm(rows, self.weight.t(), out=self.buffer[: rows.shape[0]])
+            return self.packed(hidden, out=logits, log_softmax=log_softmax)
+        if self.library is not None and rows.shape[0] <= ROWS_PROJECTION_MAX_ROWS:
+            self.library.rows_projection(rows.contiguous(), self.weight, logits)
+        else:
+            torch.mm(rows, self.weight.t(), out=logits)
         return in_log_space(logits, log_softmax).view(*hidden.shape[:-1], -1)
 
     @classmethod
@@ -684,17 +682,13 @@ def projection_library(weight: torch.Tensor, rows: int):
 @functools.cache
 def last_level_cache_bytes() -> int:
     """The size of this CPU's largest cache (Linux's sysfs: the L3 a core shares), or 0 where it cannot be read."""
-    sizes = {}
+    units, sizes = {"K": 2**10, "M": 2**20, "G": 2**30}, {}
     for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
-        try:
-            level = int((index / "level").read_text())
+        try:  # (`size` reads like "32768K")
             size = (index / "size").read_text().strip()
-        except (OSError, ValueError):
-            continue
-        units = {"K": 2**10, "M": 2**20, "G": 2**30}
-        try:
-            sizes[level] = int(size[:-1]) * units[size[-1]] if size[-1] in units else int(size)
-        except (ValueError, IndexError):
+            bytes_ = int(size[:-1]) * units[size[-1]] if size[-1] in units else int(size)
+            sizes[int((index / "level").read_text())] = bytes_
+        except (OSError, ValueError, IndexError):
             continue
     return sizes[max(sizes)] if sizes else 0
 
