@@ -506,6 +506,7 @@ def test_a_float32_projection_of_a_few_rows_is_the_librarys_where_w_fits_the_cac
     projected = []
     original = library.rows_projection
     monkeypatch.setattr(library, "rows_projection", lambda *args: projected.append(1) or original(*args))
+    monkeypatch.setattr(fast_decoding, "library_search", lambda *args: None)  # (the loop's steps, through Python)
     eager = eager_twin(compiled_folder)
     for seed, beams in ((1, 1), (2, 4), (3, 5)):
         ids, mask = batch(seed=seed, lengths=(7,))
@@ -513,6 +514,62 @@ def test_a_float32_projection_of_a_few_rows_is_the_librarys_where_w_fits_the_cac
         projected.clear()
         assert torch.equal(model.generate(**kwargs), eager.generate(**kwargs))
         assert projected or beams == 1  # (greedy's float32 argmax may go through its int8 screen instead)
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        dict(num_beams=4),  # the paper's: the source-length cap, </s> forced at 0
+        dict(num_beams=3, num_return_sequences=2, length_penalty=1.3, length_penalty_type="hf"),
+        dict(num_beams=4, early_stopping=False, max_output_length_offset=5),
+        dict(num_beams=4, min_new_tokens=6, suppress_tokens=[5, 9, 10_000], max_output_length_offset=9),
+        dict(num_beams=5, min_length=4, max_new_tokens=7),
+        # fairseq's cap: </s> forced with its own log-probability, after at most 4 tokens; <pad> never, </s> not first
+        dict(num_beams=4, max_len_a=0.0, max_len_b=4, min_new_tokens=1, suppress_tokens=[0], length_penalty=1.0),
+    ],
+    ids=["paper", "returns-2", "no-early-stop", "min-new-suppress", "min-length", "fairseq-cap"],
+)
+def test_a_sentences_whole_beam_search_is_one_library_call_with_the_python_loops_ids(
+    compiled_folder, monkeypatch, settings
+):
+    """Where the step and the projection are the library's (a sentence a call, float32, W within the cache), the
+    whole of `native_search`'s loop is one call of the library (`RowsSession.search`: the first step decoded once for
+    the k beams, their keys and values followed through lineages, the processors as column masks): the ids of that
+    loop through Python and of the eager model, for the paper's settings, several returned sequences, minimum lengths,
+    suppressed tokens (one outside the vocabulary) and a cap that forces </s> at 0 or with its own score. A processor
+    that is not a column mask (one that reads the beams' ids) keeps the loop in Python, with the same ids."""
+    model = VaswaniForConditionalGeneration.from_pretrained(compiled_folder)
+    library = sys.modules.get(compiled_decoding.BEAMS_MODULE)
+    if library is None or not library.decoder_rows_supported():
+        pytest.skip("a CPU without AVX-512: no few-rows step or products")
+    weight = fast_decoding.projection_weight(model, bfloat16=True)
+    monkeypatch.setenv(compiled_decoding.GEMM_VARIABLE, "onednn")
+    monkeypatch.setattr(fast_decoding, "last_level_cache_bytes", lambda: 2 * weight.numel() * weight.element_size())
+    searched, original = [], fast_decoding.library_search
+
+    def noted(*args):
+        whole = original(*args)
+        searched.append(whole is not None)
+        return whole
+
+    eager = eager_twin(compiled_folder)
+    for seed in range(5):
+        ids, mask = batch(seed=seed, lengths=(3 + 2 * seed,))
+        kwargs = dict(input_ids=ids, attention_mask=mask, **settings)
+        searched.clear()
+        monkeypatch.setattr(fast_decoding, "library_search", noted)
+        whole = model.generate(**kwargs)
+        assert searched == [True], seed
+        monkeypatch.setattr(fast_decoding, "library_search", lambda *args: None)
+        assert torch.equal(whole, model.generate(**kwargs)), seed
+        assert torch.equal(whole, eager.generate(**kwargs)), seed
+        if seed == 0:  # a processor that reads the beams' ids: the loop stays in Python
+            reads_ids = dict(kwargs, no_repeat_ngram_size=2)
+            expected = eager.generate(**reads_ids)
+            searched.clear()
+            monkeypatch.setattr(fast_decoding, "library_search", noted)
+            assert torch.equal(model.generate(**reads_ids), expected)
+            assert searched == [False]
 
 
 @pytest.mark.parametrize("settings", [dict(num_beams=1), dict(num_beams=4)], ids=["greedy", "beam"])

@@ -2044,6 +2044,11 @@ def native_search(session, input_ids, logits_processor, stopping_criteria, gener
         input_ids[0].tolist(), num_beams, k2, penalties, early_stopping is True, best_length,
         -1 if max_length is None else max_length, sorted(ends), BLOCK, BLOCK_TOP_K_MIN,
     )  # fmt: skip
+    whole = library_search(session, input_ids, logits_processor)
+    if whole is not None:  # the whole loop below in one call
+        rows, weight, bias, masks = whole
+        fill, count = output_fill(generation_config), generation_config.num_return_sequences
+        return rows.search(beams, int(input_ids[0, 0]), weight, bias, masks, count, fill).to(device)
     needs_ids = not all(reads_shape_only(p) for p in logits_processor)
     shape_only = torch.empty((num_beams, generation_config.max_length), dtype=torch.long, device=device)
     columns, tokens = {}, input_ids
@@ -2060,6 +2065,64 @@ def native_search(session, input_ids, logits_processor, stopping_criteria, gener
         if reorder is not None:
             session.reorder(reorder.to(device))
         tokens = tokens.to(device)
+
+
+def library_search(session, input_ids: torch.Tensor, logits_processor):
+    """What the library's `RowsSession.search` needs to run `native_search`'s whole loop in one call (its session,
+    the pre-softmax W and the logits' fixed bias, the processors as column masks), or None where the loop must stay
+    here: the step is not the library's (`CompiledSession.rows_session`), the projection not its few-rows product on
+    the plain float32 W (`Projection.library`), the beams do not start from one token, or a processor is not a column
+    mask (`column_masks`)."""
+    if type(session) is not CompiledSession or session.slots.length or session.sources.shape[0] != 1:
+        return None
+    projection = session.projection
+    if type(projection) is not Projection or projection.library is None:
+        return None
+    if input_ids.shape[1] != 1 or not bool((input_ids == input_ids[0, 0]).all()):
+        return None
+    width = projection.weight.shape[0]
+    bias = session.final_bias
+    if bias is None:
+        bias = projection.weight.new_empty(0)
+    elif bias.dtype != torch.float32 or bias.numel() != width:
+        return None
+    masks = column_masks(logits_processor, input_ids.shape[1], width)
+    rows = session.rows_session() if masks is not None else None
+    return None if rows is None else (rows, projection.weight, bias.reshape(-1).contiguous(), masks)
+
+
+# A column mask's `until_len` for "to the end"
+_NO_END = 1 << 62
+
+
+def column_masks(logits_processor, prompt_len: int, width: int) -> list | None:
+    """The processors as the library's `ColumnMask`s (each sets columns of the k beams' log-probabilities to -inf
+    from one length to another), applied in their order; None where one is not such a mask. Those `process` masks
+    (minimum lengths, suppressed tokens: exact types), and a processor with `as_column_mask(prompt_len)`
+    (`SourceLengthCap`) that gives (columns, from_len, until_len, cap, forced) or None."""
+    library, masks = beams_library(), []
+    for processor in logits_processor:
+        kind = type(processor)
+        if kind is MinLengthLogitsProcessor:
+            mask = (processor.eos_token_id, 0, processor.min_length, False, False)
+        elif kind is MinNewTokensLengthLogitsProcessor:
+            until = processor.prompt_length_to_skip + processor.min_new_tokens
+            mask = (processor.eos_token_id, 0, until, False, False)
+        elif kind is SuppressTokensLogitsProcessor:
+            mask = (processor.suppress_tokens, 0, _NO_END, False, False)
+        elif callable(getattr(processor, "as_column_mask", None)):
+            mask = processor.as_column_mask(prompt_len)
+        else:
+            return None
+        if mask is None:
+            return None
+        ids, from_len, until_len, cap, forced = mask
+        ids = torch.as_tensor(ids).reshape(-1).tolist()
+        columns = [i for i in ids if 0 <= i < width]  # (as `_columns`: those outside the vocabulary left out)
+        if cap and (len(ids) != 1 or len(columns) != 1):
+            return None
+        masks.append(library.ColumnMask(columns, int(from_len), int(until_len), bool(cap), bool(forced)))
+    return masks
 
 
 def beams_library():

@@ -119,6 +119,17 @@ class SourceLengthCap(LogitsProcessor):
         selected.earliest = None
         return selected
 
+    def as_column_mask(self, prompt_len: int):
+        """This cap for one source as a column mask of beam search's loop in C++ (fast_decoding.py's
+        `column_masks`): from the length where the next token is the last allowed, every column but </s>; None for
+        several sources."""
+        if self.max_tokens.numel() != 1:
+            return None
+        prompt_length = prompt_len if self.prompt_length is None else self.prompt_length
+        # generated + 1 >= limit, generated = cur_len - prompt_length
+        from_len = int(self.max_tokens.reshape(-1)[0]) + prompt_length - 1
+        return [self.eos_token_id], from_len, 1 << 62, True, self.score_forced_eos
+
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         if self.prompt_length is None:
             self.prompt_length = input_ids.shape[1]  # the decoder start token (and any forced prefix)

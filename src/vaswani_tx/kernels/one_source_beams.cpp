@@ -103,6 +103,7 @@ class OneSourceBeams {
   }
 
   int64_t cur_len() const { return cur_len_; }
+  int64_t num_beams() const { return num_beams_; }
 
   // The running beams' ids (k, cur_len), for processors that read them.
   at::Tensor running_ids() const {
@@ -1289,6 +1290,33 @@ at::Tensor model_step(const at::Tensor& tokens, const RowsModel& model, const st
 #endif
 }
 
+// A logits processor that sets columns to -inf (fast_decoding.py's `column_masks`), applied to the k beams'
+// log-probabilities while from_len <= cur_len < until_len: minimum lengths (the end-of-sentence ids), suppressed tokens
+// (always), or a length cap (`cap`: every column but columns[0], the end-of-sentence id, which becomes 0, or keeps its
+// log-probability with `forced`), as `process` and `SourceLengthCap` apply them.
+struct ColumnMask {
+  std::vector<int64_t> columns;
+  int64_t from_len, until_len;
+  bool cap, forced;
+
+  void apply(at::Tensor& scores, int64_t cur_len) const {
+    if (cur_len < from_len || cur_len >= until_len) return;
+    const int64_t rows = scores.size(0), width = scores.size(1);
+    float* data = scores.data_ptr<float>();
+    const float minus_inf = -std::numeric_limits<float>::infinity();
+    for (int64_t r = 0; r < rows; ++r) {
+      float* row = data + r * width;
+      if (cap) {
+        const float kept = forced ? row[columns[0]] : 0.0f;
+        std::fill(row, row + width, minus_inf);
+        row[columns[0]] = kept;
+      } else {
+        for (int64_t c : columns) row[c] = minus_inf;
+      }
+    }
+  }
+};
+
 // A decoding call's step (`CompiledSession` in fast_decoding.py): the model's tensors and this call's sources'
 // encoder-decoder keys and values and mask, passed once; each step then passes the tokens, the session's buffers of
 // keys and values (`PositionSlots`) and their lineage.
@@ -1306,6 +1334,76 @@ class RowsSession {
     const int64_t M = tokens.numel(), k = M / std::max<int64_t>(source_mask_.size(0), 1);
     return model_step(tokens, *model_, buffer_slots(keys, written, M, k), buffer_slots(values, written, M, k),
                       cross_keys_, cross_values_, source_mask_, lineage);
+  }
+
+  // One source's whole beam search (fast_decoding.py's `library_search`): the loop of `native_search` in one call, a
+  // step being this session's step, the pre-softmax product of the float32 W (V, D) through the few-rows products
+  // (`rows_projection`) plus the logits' fixed bias (Marian's; empty: none), ATen's log-softmax over them, the
+  // processors' column masks (`masks`) and `beams.advance`. Why: at a sentence a call the Python around each step
+  // (the session's buffers and lineage, the projection's buffer, the processors, the next tokens) took about 40 us
+  // beside the library's 0.23 ms on two threads (the main job's model, beam 4, AMD EPYC Zen 5).
+  // The same choices and sums as that loop: the first step decodes the start token once for all k beams
+  // (`first_step`), whose rows then read its keys and values through their lineages (`PositionSlots.follow`), and
+  // the buffers grow as `PositionSlots` grows them. Returns `beams.result(count, fill)`.
+  at::Tensor search(OneSourceBeams& beams, int64_t start, const at::Tensor& weight, const at::Tensor& bias,
+                    const std::vector<ColumnMask>& masks, int64_t count, int64_t fill) const {
+#ifdef VASWANI_TX_AVX512
+    check_rows_tensor(weight, "the pre-softmax W");
+    TORCH_CHECK(source_mask_.size(0) == 1 && !cross_keys_.empty() && weight.is_contiguous() &&
+                    weight.size(1) == model_->embedding.size(1),
+                "search: one source, and W (V, D) contiguous");
+    TORCH_CHECK(bias.numel() == 0 || (bias.numel() == weight.size(0) && bias.is_contiguous() &&
+                                      bias.scalar_type() == at::kFloat),
+                "search: the logits' fixed bias must be float32 (V), contiguous, or empty");
+    const int64_t k = beams.num_beams(), V = weight.size(0), D = weight.size(1);
+    const int64_t layers = static_cast<int64_t>(cross_keys_.size()), heads = model_->heads;
+    const int64_t d_k = cross_keys_[0].size(-1), d_v = cross_values_[0].size(-1);
+    const auto floats = model_->embedding.options();
+    at::Tensor keys, values, lineage;  // (layers, capacity, k, h, d); (k, capacity)
+    auto make_room = [&](int64_t written) {  // `PositionSlots.make_room`: capacity max(16, 2 x positions)
+      if (keys.defined() && keys.size(1) > written) return;
+      const int64_t capacity = std::max<int64_t>(16, 2 * (written + 1));
+      auto grown_keys = at::empty({layers, capacity, k, heads, d_k}, floats);
+      auto grown_values = at::empty({layers, capacity, k, heads, d_v}, floats);
+      auto grown_lineage = at::empty({k, capacity}, floats.dtype(at::kLong));
+      if (written > 0) {
+        grown_keys.narrow(1, 0, written).copy_(keys.narrow(1, 0, written));
+        grown_values.narrow(1, 0, written).copy_(values.narrow(1, 0, written));
+        grown_lineage.narrow(1, 0, written).copy_(lineage.narrow(1, 0, written));
+      }
+      keys = grown_keys, values = grown_values, lineage = grown_lineage;
+    };
+    auto logits = at::empty({k, V}, floats);
+    auto tokens = at::full({1, 1}, start, floats.dtype(at::kLong));
+    for (int64_t written = 0;; ++written) {
+      make_room(written);
+      at::Tensor hidden;
+      if (written == 0) {  // one row for all k beams (`first_step`); the others' position 0 is row 0's
+        hidden = model_step(tokens, *model_, buffer_slots(keys, 0, 1, 1), buffer_slots(values, 0, 1, 1), cross_keys_,
+                            cross_values_, source_mask_, std::nullopt);
+        lineage.select(1, 0).zero_();
+      } else {
+        hidden = model_step(tokens.view({1, k}), *model_, buffer_slots(keys, written, k, k),
+                            buffer_slots(values, written, k, k), cross_keys_, cross_values_, source_mask_, lineage);
+      }
+      const int64_t M = hidden.size(0);
+      auto scores = logits.narrow(0, 0, M);
+      rows_linear(hidden.contiguous().data_ptr<float>(), M, weight, bias, scores.data_ptr<float>());
+      at::_log_softmax_out(scores, scores, -1, false);
+      if (M < k) logits.narrow(0, M, k - M).copy_(scores.expand({k - M, V}));
+      const int64_t cur_len = beams.cur_len();
+      for (const ColumnMask& mask : masks) mask.apply(logits, cur_len);
+      auto [done, reorder, next] = beams.advance(logits);
+      if (done) return beams.result(count, fill);
+      if (reorder.has_value()) {  // (`PositionSlots.follow`: the rows continued, through their lineages)
+        auto followed = lineage.narrow(1, 0, written + 1).index_select(0, *reorder);
+        lineage.narrow(1, 0, written + 1).copy_(followed);
+      }
+      tokens = next;
+    }
+#else
+    TORCH_CHECK(false, "search: built for a CPU without AVX-512");
+#endif
   }
 
  private:
@@ -1508,7 +1606,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                          std::vector<at::Tensor> cross_values, at::Tensor source_mask) {
         return RowsSession(model, std::move(cross_keys), std::move(cross_values), std::move(source_mask));
       });
-  pybind11::class_<RowsSession>(m, "RowsSession").def("step", &RowsSession::step);
+  pybind11::class_<ColumnMask>(m, "ColumnMask")
+      .def(pybind11::init<std::vector<int64_t>, int64_t, int64_t, bool, bool>(), pybind11::arg("columns"),
+           pybind11::arg("from_len"), pybind11::arg("until_len"), pybind11::arg("cap"), pybind11::arg("forced"));
+  pybind11::class_<RowsSession>(m, "RowsSession")
+      .def("step", &RowsSession::step)
+      .def("search", &RowsSession::search);
   m.def("select_slots", &select_slots);
   m.def("slot_views", &slot_views);
   m.def("screened_logits", &screened_logits);
