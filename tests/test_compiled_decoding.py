@@ -45,11 +45,21 @@ def compiled_folder(tmp_path_factory):
 
 def note_steps(patch, note) -> None:
     """`note(step)` at each decoder step a compiled session takes, with the `CompiledStep` that serves it (its
-    compiled library, or the beam-search library's step: `RowsDecoder`); `patch`: a monkeypatch."""
+    compiled library, or the beam-search library's step: `RowsDecoder`), and once for a whole beam search that the
+    library runs in one call (`library_search`: its steps are that step's); `patch`: a monkeypatch."""
     original = fast_decoding.CompiledSession.hidden
     patch.setattr(
         fast_decoding.CompiledSession, "hidden", lambda self, tokens: note(self.compiled) or original(self, tokens)
     )
+    whole_search = fast_decoding.library_search
+
+    def noted_search(session, *args):
+        whole = whole_search(session, *args)
+        if whole is not None:
+            note(session.compiled)
+        return whole
+
+    patch.setattr(fast_decoding, "library_search", noted_search)
 
 
 @pytest.fixture
