@@ -996,14 +996,24 @@ struct FloatProducts {
   const at::Tensor* t;  // the layer's kLayerTensors
   bool onednn = false;
   int64_t out_features(int i) const { return t[i].size(0); }
-  void operator()(int i, const float* x, int64_t M, int64_t K, float* y, bool relu) const {
-    if (M <= kRowsLinearMax) return rows_linear(x, M, t[i], t[i + 1], y, relu);
+  // Returns where the product is: y, or with `hold` where oneDNN's product comes as a tensor of its own, that tensor
+  // (kept in `hold`), rather than a copy of it into y (in batches the copies were 1-1.5% of a pass of Multi30k val).
+  const float* operator()(int i, const float* x, int64_t M, int64_t K, float* y, bool relu,
+                          at::Tensor* hold = nullptr) const {
+    if (M <= kRowsLinearMax) {
+      rows_linear(x, M, t[i], t[i + 1], y, relu);
+      return y;
+    }
     const auto options = at::TensorOptions().dtype(at::kFloat);
     const at::Tensor input = at::from_blob(const_cast<float*>(x), {M, K}, options);
     if (onednn) {
-      const at::Tensor out = onednn_linear(input, t[i], t[i + 1], relu);
+      at::Tensor out = onednn_linear(input, t[i], t[i + 1], relu);
+      if (hold != nullptr) {
+        *hold = std::move(out);
+        return hold->data_ptr<float>();
+      }
       std::copy_n(out.data_ptr<float>(), M * t[i].size(0), y);
-      return;
+      return y;
     }
     at::Tensor output = at::from_blob(y, {M, t[i].size(0)}, options);
     if (t[i + 1].numel()) {
@@ -1012,6 +1022,7 @@ struct FloatProducts {
       at::mm_out(output, input, t[i].t());
     }
     if (relu) output.clamp_min_(0.0f);
+    return y;
   }
 };
 
@@ -1027,7 +1038,9 @@ struct Int8Products {
   // encoder layer's W_1, W_2 at 10, 12; a decoder layer's encoder-decoder W^K, W^V at 0, 2 of their own list).
   static int number(int i) { return (i - 2 * ((i > 8) + (i > 14) + (i > 20))) / 2; }
   int64_t out_features(int i) const { return q[2 * number(i)].numel(); }
-  void operator()(int i, const float* x, int64_t M, int64_t K, float* y, bool relu) const {
+  // As FloatProducts': y, or with `hold` the kernel's own output tensor (kept in `hold`).
+  const float* operator()(int i, const float* x, int64_t M, int64_t K, float* y, bool relu,
+                          at::Tensor* hold = nullptr) const {
     static const auto linear = c10::Dispatcher::singleton()
         .findSchemaOrThrow("vaswani_tx_int8::linear", "")
         .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
@@ -1035,14 +1048,22 @@ struct Int8Products {
     const at::Tensor &bias = t[i + 1], &scales = q[2 * number(i)];
     const int64_t N = scales.numel();
     const at::Tensor input = at::from_blob(const_cast<float*>(x), {M, K}, at::TensorOptions().dtype(at::kFloat));
-    const at::Tensor out = linear.call(input, t[i], scales, q[2 * number(i) + 1],
-                                       bias.numel() ? std::optional<at::Tensor>(bias) : std::nullopt, N);
-    const float* o = out.data_ptr<float>();
+    at::Tensor out = linear.call(input, t[i], scales, q[2 * number(i) + 1],
+                                 bias.numel() ? std::optional<at::Tensor>(bias) : std::nullopt, N);
+    float* o = out.data_ptr<float>();
+    if (hold != nullptr) {
+      if (relu) {
+        for (int64_t j = 0; j < M * N; ++j) o[j] = std::max(o[j], 0.0f);
+      }
+      *hold = std::move(out);
+      return o;
+    }
     if (relu) {
       for (int64_t j = 0; j < M * N; ++j) y[j] = std::max(o[j], 0.0f);
     } else {
       std::copy_n(o, M * N, y);
     }
+    return y;
   }
 };
 
@@ -1196,6 +1217,7 @@ at::Tensor decoder_step(const at::Tensor& tokens, const RowsModel& model, const 
       rows_of[r * lineage_stride + P] = r;
     }
   }
+  at::Tensor held[5];  // products' own output tensors, where they come as such (`FloatProducts`)
   for (int64_t l = 0; l < layers; ++l) {
     const at::Tensor* t = weights.data() + l * kLayerTensors;
     const Products product = products_of(l);
@@ -1211,19 +1233,20 @@ at::Tensor decoder_step(const at::Tensor& tokens, const RowsModel& model, const 
                 "decoder_rows: keys and values of ", heads, " heads of ", d_k, " and ", d_v,
                 " floats, as the encoder-decoder keys and values and the model");
     // Masked self-attention: this position's keys and values into slot P, then each row attends to positions 0..P
-    product(0, h, M, D, q, false);
-    product(2, h, M, D, new_keys, false);
-    product(4, h, M, D, new_values, false);
+    // (each product where it is: the step's working rows, or oneDNN's own output tensor, held until used)
+    const float* queries = product(0, h, M, D, q, false, &held[0]);
+    const float* keys_in = product(2, h, M, D, new_keys, false, &held[1]);
+    const float* values_in = product(4, h, M, D, new_values, false, &held[2]);
     at::parallel_for(0, M, kAttendRows, [&](int64_t begin, int64_t end) {
       std::vector<float> scores(P + 1);
       for (int64_t r = begin; r < end; ++r)
         for (int64_t a = 0; a < heads; ++a) {
           const int64_t g = r / k, j = r % k;
-          std::copy_n(new_keys + (r * heads + a) * d_k, d_k, keys.at(P, g, j, a));
-          std::copy_n(new_values + (r * heads + a) * d_v, d_v, values.at(P, g, j, a));
+          std::copy_n(keys_in + (r * heads + a) * d_k, d_k, keys.at(P, g, j, a));
+          std::copy_n(values_in + (r * heads + a) * d_v, d_v, values.at(P, g, j, a));
           // its earlier positions: its own row's, or with a lineage each position's row (counted from the first
           // source's first row)
-          const float* query = q + (r * heads + a) * d_k;
+          const float* query = queries + (r * heads + a) * d_k;
           float* result = attended + (r * heads + a) * d_v;
           if (rows_of != nullptr) {
             const int64_t* rows = rows_of + r * lineage_stride;
@@ -1235,26 +1258,26 @@ at::Tensor decoder_step(const at::Tensor& tokens, const RowsModel& model, const 
           }
         }
     });
-    product(6, attended, M, heads * d_v, out, false);
-    add_norm(h, out, M, D, t[8], t[9], static_cast<float>(model.eps));
+    add_norm(h, product(6, attended, M, heads * d_v, out, false, &held[3]), M, D, t[8], t[9],
+             static_cast<float>(model.eps));
     // Encoder-decoder attention: each row to its own source's S positions
-    product(10, h, M, D, q, false);
+    const float* cross_queries = product(10, h, M, D, q, false, &held[0]);
     at::parallel_for(0, M, kAttendRows, [&](int64_t begin, int64_t end) {
       std::vector<float> scores(S);
       for (int64_t r = begin; r < end; ++r)
         for (int64_t a = 0; a < heads; ++a) {
           const int64_t g = r / k;
-          attend(q + (r * heads + a) * d_k, ck.data_ptr<float>() + g * ck.stride(0) + a * ck.stride(1),
+          attend(cross_queries + (r * heads + a) * d_k, ck.data_ptr<float>() + g * ck.stride(0) + a * ck.stride(1),
                  cv.data_ptr<float>() + g * cv.stride(0) + a * cv.stride(1), S, {ck.stride(2)}, {cv.stride(2)}, d_k,
                  d_v, scaling, valid + g * S, scores.data(), attended + (r * heads + a) * d_v);
         }
     });
-    product(12, attended, M, heads * d_v, out, false);
-    add_norm(h, out, M, D, t[14], t[15], static_cast<float>(model.eps));
+    add_norm(h, product(12, attended, M, heads * d_v, out, false, &held[3]), M, D, t[14], t[15],
+             static_cast<float>(model.eps));
     // The position-wise feed-forward network (Equation 2)
-    product(16, h, M, D, inner, true);
-    product(18, inner, M, F, out, false);
-    add_norm(h, out, M, D, t[20], t[21], static_cast<float>(model.eps));
+    const float* hidden_units = product(16, h, M, D, inner, true, &held[4]);
+    add_norm(h, product(18, hidden_units, M, F, out, false, &held[3]), M, D, t[20], t[21],
+             static_cast<float>(model.eps));
   }
   return x;
 }
