@@ -484,19 +484,27 @@ def test_an_int8_projection_of_a_few_rows_is_the_layers_own_product(compiled_fol
                 torch.testing.assert_close(projection(hidden, log_softmax=True), torch.log_softmax(expected, -1))
 
 
+def with_library_projection(folder, patch):
+    """The folder's model, its beam-search library and its float32 pre-softmax W, with the conditions of the
+    library's few-rows projection set on any machine (`projection_library`: oneDNN chosen, a last-level cache twice
+    W's size); `patch`: a monkeypatch. Skips the test on a CPU without AVX-512."""
+    model = VaswaniForConditionalGeneration.from_pretrained(folder)  # (loads the folder's library)
+    library = sys.modules.get(compiled_decoding.BEAMS_MODULE)
+    if library is None or not library.decoder_rows_supported():
+        pytest.skip("a CPU without AVX-512: no few-rows step or products")
+    weight = fast_decoding.projection_weight(model, bfloat16=True)
+    patch.setenv(compiled_decoding.GEMM_VARIABLE, "onednn")
+    patch.setattr(fast_decoding, "last_level_cache_bytes", lambda: 2 * weight.numel() * weight.element_size())
+    return model, library, weight
+
+
 def test_a_float32_projection_of_a_few_rows_is_the_librarys_where_w_fits_the_cache(compiled_folder, monkeypatch):
     """Where oneDNN is the chosen library and the float32 W takes at most half the last-level cache, a call of up to
     `ROWS_PROJECTION_MAX_ROWS` rows projects through the library's few-rows product on the model's own W (nothing
     packed): W's product to float32 rounding, and its log-softmax; a sentence a call gives the eager model's ids
     through it. A call of more rows, a W past half the cache, or oneMKL's CPUs keep the packed products."""
-    model = VaswaniForConditionalGeneration.from_pretrained(compiled_folder)  # (loads the folder's library)
-    library = sys.modules.get(compiled_decoding.BEAMS_MODULE)
-    if library is None or not library.decoder_rows_supported():
-        pytest.skip("a CPU without AVX-512: no few-rows products")
-    weight = fast_decoding.projection_weight(model, bfloat16=True)
+    model, library, weight = with_library_projection(compiled_folder, monkeypatch)
     size = weight.numel() * weight.element_size()
-    monkeypatch.setenv(compiled_decoding.GEMM_VARIABLE, "onednn")
-    monkeypatch.setattr(fast_decoding, "last_level_cache_bytes", lambda: 2 * size)  # (any machine's cache)
     most = fast_decoding.ROWS_PROJECTION_MAX_ROWS
     for rows in (1, 4, most):
         projection = fast_decoding.Projection.of(model, rows)
@@ -548,13 +556,7 @@ def test_a_sentences_whole_beam_search_is_one_library_call_with_the_python_loops
     loop through Python and of the eager model, for the paper's settings, several returned sequences, minimum lengths,
     suppressed tokens (one outside the vocabulary) and a cap that forces </s> at 0 or with its own score. A processor
     that is not a column mask (one that reads the beams' ids) keeps the loop in Python, with the same ids."""
-    model = VaswaniForConditionalGeneration.from_pretrained(compiled_folder)
-    library = sys.modules.get(compiled_decoding.BEAMS_MODULE)
-    if library is None or not library.decoder_rows_supported():
-        pytest.skip("a CPU without AVX-512: no few-rows step or products")
-    weight = fast_decoding.projection_weight(model, bfloat16=True)
-    monkeypatch.setenv(compiled_decoding.GEMM_VARIABLE, "onednn")
-    monkeypatch.setattr(fast_decoding, "last_level_cache_bytes", lambda: 2 * weight.numel() * weight.element_size())
+    model, _, _ = with_library_projection(compiled_folder, monkeypatch)
     searched, original = [], fast_decoding.library_search
 
     def noted(*args):

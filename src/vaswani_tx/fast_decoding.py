@@ -2091,7 +2091,7 @@ def library_search(session, input_ids: torch.Tensor, logits_processor):
     return None if rows is None else (rows, projection.weight, bias.reshape(-1).contiguous(), masks)
 
 
-# A column mask's `until_len` for "to the end"
+# The library's `until_len` for a column mask that lasts to the end (None in `column_masks`' tuples)
 _NO_END = 1 << 62
 
 
@@ -2099,7 +2099,8 @@ def column_masks(logits_processor, prompt_len: int, width: int) -> list | None:
     """The processors as the library's `ColumnMask`s (each sets columns of the k beams' log-probabilities to -inf
     from one length to another), applied in their order; None where one is not such a mask. Those `process` masks
     (minimum lengths, suppressed tokens: exact types), and a processor with `as_column_mask(prompt_len)`
-    (`SourceLengthCap`) that gives (columns, from_len, until_len, cap, forced) or None."""
+    (`SourceLengthCap`) that gives (columns, from_len, until_len, cap, forced), until_len None for "to the end",
+    or None."""
     library, masks = beams_library(), []
     for processor in logits_processor:
         kind = type(processor)
@@ -2109,7 +2110,7 @@ def column_masks(logits_processor, prompt_len: int, width: int) -> list | None:
             until = processor.prompt_length_to_skip + processor.min_new_tokens
             mask = (processor.eos_token_id, 0, until, False, False)
         elif kind is SuppressTokensLogitsProcessor:
-            mask = (processor.suppress_tokens, 0, _NO_END, False, False)
+            mask = (processor.suppress_tokens, 0, None, False, False)
         elif callable(getattr(processor, "as_column_mask", None)):
             mask = processor.as_column_mask(prompt_len)
         else:
@@ -2121,7 +2122,8 @@ def column_masks(logits_processor, prompt_len: int, width: int) -> list | None:
         columns = [i for i in ids if 0 <= i < width]  # (as `_columns`: those outside the vocabulary left out)
         if cap and (len(ids) != 1 or len(columns) != 1):
             return None
-        masks.append(library.ColumnMask(columns, int(from_len), int(until_len), bool(cap), bool(forced)))
+        until_len = _NO_END if until_len is None else int(until_len)
+        masks.append(library.ColumnMask(columns, int(from_len), until_len, bool(cap), bool(forced)))
     return masks
 
 

@@ -128,7 +128,7 @@ class SourceLengthCap(LogitsProcessor):
         prompt_length = prompt_len if self.prompt_length is None else self.prompt_length
         # generated + 1 >= limit, generated = cur_len - prompt_length
         from_len = int(self.max_tokens.reshape(-1)[0]) + prompt_length - 1
-        return [self.eos_token_id], from_len, 1 << 62, True, self.score_forced_eos
+        return [self.eos_token_id], from_len, None, True, self.score_forced_eos  # (None: to the end)
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         if self.prompt_length is None:

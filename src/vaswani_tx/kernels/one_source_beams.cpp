@@ -1217,7 +1217,7 @@ at::Tensor decoder_step(const at::Tensor& tokens, const RowsModel& model, const 
       rows_of[r * lineage_stride + P] = r;
     }
   }
-  at::Tensor held[5];  // products' own output tensors, where they come as such (`FloatProducts`)
+  at::Tensor held[5];  // products' own output tensors, where they come as such (oneDNN's, the int8 kernel's)
   for (int64_t l = 0; l < layers; ++l) {
     const at::Tensor* t = weights.data() + l * kLayerTensors;
     const Products product = products_of(l);
