@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -93,9 +94,12 @@ def _train(
             [sys.executable, *command], env=env, cwd=REPO, capture_output=True, text=True, timeout=600
         )
         # Seen once in about ten runs on this machine: a gloo process aborting as it exits ("terminate called
-        # without an active exception", SIGABRT) after training. That is the launcher's, not the run's: once more.
+        # without an active exception", SIGABRT) after training. That is the launcher's, not the run's: once more,
+        # from an empty output_dir (the aborted run wrote its results there, which `train` rightly refuses to replace
+        # without --force: the retry exited 2 on CI)
         if "terminate called without an active exception" not in result.stderr:
             break
+        shutil.rmtree(output_dir, ignore_errors=True)
     return result
 
 
