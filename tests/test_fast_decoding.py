@@ -31,6 +31,14 @@ from vaswani_tx.modeling_vaswani import VaswaniForConditionalGeneration
 from vaswani_tx.quantization import quantize_int8
 
 
+@pytest.fixture(autouse=True)
+def python_loops(monkeypatch):
+    """This file's tests are of the Python loops: beam search's bookkeeping in C++ (test_one_source_beams.py's library,
+    which takes a call's whole loop where it is loaded) is set aside where an earlier test loaded it. That file
+    tests the library's against these loops."""
+    monkeypatch.delitem(sys.modules, fast_decoding.BEAMS_MODULE, raising=False)
+
+
 def both(model, **kwargs):
     """(the default path's output, transformers' loops' output) for the same call."""
     return model.generate(**kwargs), model.generate(fast_decoding=False, **kwargs)
@@ -987,11 +995,9 @@ def test_beam_search_over_a_vocabulary_large_enough_for_the_block_top_k(loops):
 
 @pytest.fixture
 def library_set_aside(monkeypatch):
-    """The Python paths where the C++ library (test_one_source_beams.py's: beam search's bookkeeping for one source,
-    greedy search's screen) would take over: it is set aside where an earlier test loaded it; and torch's int8
-    product in greedy search's screen, where an earlier test loaded the int8 few-rows kernel (test_int8_rows.py's
-    tests take that one)."""
-    monkeypatch.delitem(sys.modules, fast_decoding.BEAMS_MODULE, raising=False)
+    """The Python paths where a C++ library would take over: the beam-search library (`python_loops`), and torch's
+    int8 product in greedy search's screen, where an earlier test loaded the int8 few-rows kernel
+    (test_int8_rows.py's tests take that one)."""
     monkeypatch.setattr(fast_decoding, "rows_kernel_loaded", lambda: False)
 
 

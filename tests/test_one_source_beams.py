@@ -1,6 +1,7 @@
-"""Beam search's bookkeeping for one source in C++ (one_source_beams.py, kernels/one_source_beams.cpp): the same ids
-as its Python loop and transformers' for every setting that loop takes, the cache reordering of the compiled step's
-slots the same copies, and the folders and builds it is not used from.
+"""Beam search's bookkeeping in C++ (one_source_beams.py, kernels/one_source_beams.cpp), for one source and for a
+batch: the same ids as the Python loops and transformers' for every setting those loops take, finished sources
+leaving a batch as in Python, the cache reordering of the compiled step's slots the same copies, and the folders and
+builds it is not used from.
 
 Speed is measured by benchmarks/bench_translate.py (`--one-at-a-time`), never asserted here.
 """
@@ -17,7 +18,7 @@ import pytest
 import torch
 from transformers import LogitsProcessorList
 
-from test_fast_decoding import ONE_SOURCE_SETTINGS, EndsAt, eos_prone_model, screen_model
+from test_fast_decoding import ONE_SOURCE_SETTINGS, EndsAt, EndsAtPerSource, ends, eos_prone_model, screen_model
 from test_int8_rows import in_a_fresh_process
 from test_modeling import batch, tiny_model
 from vaswani_tx import compile_step, compiled_decoding, fast_decoding, int8_rows, native, one_source_beams
@@ -99,12 +100,16 @@ class MasksBlocks:
             scores[4, 64 * 5] = math.nan  # a block's first column
         return scores
 
+    def select_sources(self, sources):  # (its rows are positions in the batch, whichever sources go on)
+        return self
 
+
+@pytest.mark.parametrize("lengths", [(), (3, 6)], ids=["one source", "three sources"])
 @pytest.mark.parametrize("nan", [False, True], ids=["masked blocks", "masked blocks and a NaN"])
-def test_masked_and_nan_scores_choose_as_in_python(nan, paths):
+def test_masked_and_nan_scores_choose_as_in_python(nan, lengths, paths):
     model = tiny_model(seed=2, vocab_size=64 * 70)
     for seed in range(4):
-        ids, mask = batch(seed=seed, lengths=(4 + seed,), vocab=500)
+        ids, mask = batch(seed=seed, lengths=(4 + seed, *lengths), vocab=500)
         processors = LogitsProcessorList([MasksBlocks(nan)])
         kwargs = dict(input_ids=ids, attention_mask=mask, num_beams=6, max_new_tokens=8, logits_processor=processors)
         native = paths(True, model.generate, **kwargs)
@@ -122,6 +127,73 @@ def test_sentences_ending_early_under_a_processor_that_reads_ids(paths):
         native = paths(True, model.generate, **kwargs)
         assert torch.equal(native, paths(False, model.generate, **kwargs))
         assert torch.equal(native, model.generate(fast_decoding=False, **kwargs))
+
+
+# --- a batch of sources (`native_search` over several: the library's `Beams`) ------------------------------------------
+
+BATCH_SETTINGS = {name: settings for name, settings in ONE_SOURCE_SETTINGS.items() if name != "prefix"}
+
+
+@pytest.mark.parametrize("settings", BATCH_SETTINGS.values(), ids=BATCH_SETTINGS.keys())
+def test_a_batchs_bookkeeping_in_the_library_gives_the_python_loops_and_transformers_ids(settings, paths):
+    """Six sources of different lengths a call, each of transformers' early-stopping rules, length penalties, returned
+    sequences and row-local processors that read the beams' ids: the library's choices are the Python loop's
+    (`beam_search`, its tensors over all sources) and transformers'."""
+    outputs = []
+    for seed in range(4):
+        model = eos_prone_model(seed)
+        ids, mask = batch(seed=seed, lengths=(7, 4, 6, 2, 5, 3))
+        kwargs = dict(input_ids=ids, attention_mask=mask, **settings)
+        native = paths(True, model.generate, **kwargs)
+        assert torch.equal(native, paths(False, model.generate, **kwargs)), seed
+        assert torch.equal(native, model.generate(fast_decoding=False, **kwargs)), seed
+        outputs.append(native)
+    assert paths.taken == ["native_search"] * 4
+    if "min_new_tokens" not in settings:  # sentences that end at different steps
+        assert len({end for output in outputs for end in ends(output)}) > 2
+
+
+@pytest.mark.parametrize("settings", [dict(num_beams=4), dict(num_beams=3, num_return_sequences=2)])
+def test_finished_sources_leave_the_librarys_batch_as_they_leave_pythons(settings, paths, monkeypatch):
+    """Sources that end at different steps leave the decoder's batch and the processors (`EndsAtPerSource` follows
+    them, as the paper's length cap does) at the steps the Python loop drops them; a processor that cannot follow
+    (`EndsAt`) keeps the Python loop, which keeps every source's rows."""
+    model = eos_prone_model(seed=1)
+    ids, mask = batch(seed=2, lengths=(7, 4, 6, 2, 5, 3))
+    selected = []  # (the call, the sources going on) at each selection
+
+    def select(session, sources, rows=None, _original=fast_decoding.DecodingSession.select):
+        selected.append((len(paths.taken), sources.tolist()))
+        return _original(session, sources, rows)
+
+    monkeypatch.setattr(fast_decoding.DecodingSession, "select", select)
+    kwargs = dict(input_ids=ids, attention_mask=mask, **settings)
+    following = LogitsProcessorList([EndsAtPerSource([9, 2, 6, 4, 30, 6])])
+    native = paths(True, model.generate, logits_processor=following, **kwargs)
+    in_library, selected[:] = list(selected), []
+    python = paths(False, model.generate, logits_processor=following, **kwargs)
+    assert torch.equal(native, python)
+    assert torch.equal(native, model.generate(fast_decoding=False, logits_processor=following, **kwargs))
+    assert len(set(ends(native))) > 2
+    assert len(in_library) >= 2 and [sources for _, sources in in_library] == [sources for _, sources in selected]
+    assert paths.taken == ["native_search"]
+
+    fixed = LogitsProcessorList([EndsAt([9, 2, 6, 4, 30, 6])])
+    native = paths(True, model.generate, logits_processor=fixed, **kwargs)
+    assert torch.equal(native, model.generate(fast_decoding=False, logits_processor=fixed, **kwargs))
+    assert paths.taken == ["native_search"]  # (the Python loop: no source leaves)
+
+
+@pytest.mark.parametrize("vocab_size", [500, 64 * 70, 64 * 70 + 5])  # no blocks, whole blocks, a partial one
+def test_a_batchs_exact_ties_and_each_top_k_path_go_as_in_python(vocab_size, paths):
+    """bfloat16 logits (exact ties common): the batch's top-k over each source's rows picks as the Python loop's."""
+    model = tiny_model(seed=1, vocab_size=vocab_size).to(torch.bfloat16)
+    for seed in range(6):
+        ids, mask = batch(seed=seed, lengths=(3 + seed % 7, 5, 2, 8), vocab=min(vocab_size, 500))
+        kwargs = dict(input_ids=ids, attention_mask=mask, num_beams=6, max_new_tokens=12)
+        native = paths(True, model.generate, **kwargs)
+        assert torch.equal(native, paths(False, model.generate, **kwargs)), seed
+    assert paths.taken.count("native_search") == 6
 
 
 # --- greedy search's int8 screen (`ScreenedArgmax`), its work after the int8 product in one call --------------------

@@ -1,13 +1,14 @@
-// Beam search's bookkeeping for one source (a sentence a call), a step at a time: fast_decoding.py's
-// `one_source_search` without the Python.
+// Beam search's bookkeeping, a step at a time, for the sources of a call (one: a sentence a call; a few hundred: a
+// call in batches): fast_decoding.py's `beam_search` loop (and `one_source_search`, one source) without the Python.
 //
 // Why: at a sentence a call the decoder's step is a fraction of a millisecond, and the Python around it (the 2k
 // best continuations, the kept hypotheses, the length penalty, the early-stop test, the next tokens) took about as
-// long again: some 40 small tensor operations and a few hundred float32 roundings a step, each a Python call. Here
-// one call a step does all of it. The choices are the Python loop's, operation for operation: the same ATen
-// operations pick the 2k continuations (`largest`), the same torch.topk orders the candidates and the kept
-// hypotheses (so exact ties go the same way), and every sum and quotient is rounded to float32 where the Python
-// loop rounds it (which is where transformers' float32 tensors do).
+// long again: some 40 small tensor operations and a few hundred float32 roundings a step, each a Python call. In
+// batches the same work was some 100 tensor operations a step, 8-11% of a pass. Here one call a step does all of
+// it. The choices are the Python loop's, operation for operation: the same ATen operations pick the 2k
+// continuations (`largest`), the same torch.topk over the same rows orders the candidates and the kept hypotheses
+// (so exact ties go the same way: its CPU kernel takes each row alone), and every sum and quotient is rounded to
+// float32 where the Python loop rounds it (which is where transformers' float32 tensors do).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -37,18 +38,35 @@ struct Entry {
 
 float lowered(float score) { return static_cast<float>(static_cast<double>(score) - 1e9); }
 
-// The positions of the k largest scores, in torch.topk's order (ties included).
-std::vector<int64_t> top(const std::vector<float>& scores, int64_t k) {
-  auto values = at::from_blob(const_cast<float*>(scores.data()), {1, static_cast<int64_t>(scores.size())},
-                                 at::kFloat);
-  auto indices = std::get<1>(at::topk(values, k)).contiguous();
-  const int64_t* data = indices.data_ptr<int64_t>();
-  return std::vector<int64_t>(data, data + k);
+#if defined(__x86_64__) && defined(__GNUC__)
+// `block_maxima` sixteen columns at a time where the CPU has AVX-512 (a call in batches reads a few hundred sources'
+// 4 x 8,000 scores a step, where four at a time took 0.5 ms a step on two threads). A maximum is exact in any order.
+__attribute__((target("avx512f"))) void block_maxima_avx512(const float* scores, int64_t m, int64_t blocks,
+                                                            int64_t block, const float* shift, float* maxima) {
+  for (int64_t r = 0; r < m; ++r) {
+    for (int64_t b = 0; b < blocks; ++b) {
+      const float* from = scores + (r * blocks + b) * block;
+      __m512 most = _mm512_loadu_ps(from);
+      __mmask16 unordered = _mm512_cmp_ps_mask(most, most, _CMP_UNORD_Q);
+      for (int64_t j = 16; j < block; j += 16) {
+        const __m512 v = _mm512_loadu_ps(from + j);
+        unordered |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+        most = _mm512_max_ps(most, v);
+      }
+      const float largest = unordered ? std::numeric_limits<float>::quiet_NaN() : _mm512_reduce_max_ps(most);
+      maxima[r * blocks + b] = largest + shift[r];
+    }
+  }
 }
+#endif
 
 // maxima[r * blocks + b] = max(scores[r, b * block : (b + 1) * block]) + shift[r] over the whole blocks of each of the m
 // rows of width blocks * block (ATen's amax and add: a NaN in a block makes its maximum NaN).
 void block_maxima(const float* scores, int64_t m, int64_t blocks, int64_t block, const float* shift, float* maxima) {
+#if defined(__x86_64__) && defined(__GNUC__)
+  static const bool avx512 = __builtin_cpu_supports("avx512f");
+  if (avx512 && block % 16 == 0) return block_maxima_avx512(scores, m, blocks, block, shift, maxima);
+#endif
   for (int64_t r = 0; r < m; ++r) {
     for (int64_t b = 0; b < blocks; ++b) {
       const float* from = scores + (r * blocks + b) * block;
@@ -80,227 +98,401 @@ void block_maxima(const float* scores, int64_t m, int64_t blocks, int64_t block,
   }
 }
 
-class OneSourceBeams {
+// Up to this many of a row's largest are found by `distinct_top` (beam search's 2k of each source).
+constexpr int64_t kDistinctTopMax = 64;
+
+#if defined(__x86_64__) && defined(__GNUC__)
+// `distinct_top`'s scan from column j on, sixteen columns at a time: those above the (k+1)-th largest so far, or NaN,
+// are taken one by one (in column order, as the plain scan takes them). False at a NaN.
+template <class Insert>
+__attribute__((target("avx512f"))) bool distinct_top_avx512(const float* row, int64_t n, int64_t k, int64_t j,
+                                                           const float* best, const int64_t* at, Insert& insert) {
+  (void)at;
+  for (; j < n; j += 16) {
+    const __mmask16 in_row = j + 16 <= n ? static_cast<__mmask16>(0xFFFF)
+                                         : static_cast<__mmask16>((1u << (n - j)) - 1);
+    const __m512 v = _mm512_maskz_loadu_ps(in_row, row + j);
+    unsigned above = _mm512_mask_cmp_ps_mask(in_row, v, _mm512_set1_ps(best[k]), _CMP_NLE_UQ);  // > or NaN
+    for (; above != 0; above &= above - 1) {
+      const int64_t column = j + __builtin_ctz(above);
+      const float x = row[column];
+      if (std::isnan(x)) return false;
+      if (x > best[k]) insert(x, column);  // (the (k+1)-th may have risen within these sixteen)
+    }
+  }
+  return true;
+}
+#endif
+
+// The k largest of a row of n > k float32 scores in descending order, where its k + 1 largest are distinct and no
+// score is NaN: then exactly one answer is right, and it is torch.topk's too. Returns false otherwise (exact ties, a
+// NaN), where only torch.topk can say which of the tied indices it gives and in what order.
+bool distinct_top(const float* row, int64_t n, int64_t k, float* values, int64_t* indices) {
+  float best[kDistinctTopMax + 1];  // the k + 1 largest so far, in descending order
+  int64_t at[kDistinctTopMax + 1];
+  int64_t count = 0;
+  auto insert = [&](float x, int64_t j) {
+    int64_t i = std::min(count, k);
+    for (; i > 0 && best[i - 1] < x; --i) best[i] = best[i - 1], at[i] = at[i - 1];
+    best[i] = x, at[i] = j;
+    count = std::min(count + 1, k + 1);
+  };
+  int64_t j = 0;
+  for (; j < n && count <= k; ++j) {
+    if (std::isnan(row[j])) return false;
+    insert(row[j], j);
+  }
+#if defined(__x86_64__) && defined(__GNUC__)
+  static const bool avx512 = __builtin_cpu_supports("avx512f");
+  if (avx512) {
+    // sixteen at a time against the (k+1)-th so far: most scores are below it, a NaN is not (unordered)
+    if (!distinct_top_avx512(row, n, k, j, best, at, insert)) return false;
+    j = n;
+  }
+#endif
+  for (; j < n; ++j) {
+    const float x = row[j];
+    if (std::isnan(x)) return false;
+    if (x > best[k]) insert(x, j);  // (one equal to the (k+1)-th changes none of the first k)
+  }
+  for (int64_t i = 0; i < k; ++i) {
+    if (!(best[i] > best[i + 1])) return false;
+  }
+  std::copy(best, best + k, values);
+  std::copy(at, at + k, indices);
+  return true;
+}
+
+// torch.topk(scores, k) of float32 (rows, n) scores: each row's k largest, (values, indices) (rows, k). Rows whose
+// answer is the only one (`distinct_top`) are found in one pass here: torch's CPU top-k takes 3-5 us a row of 500
+// (std::nth_element over (value, index) pairs), the main cost of a batch's bookkeeping. The others are torch.topk's
+// over those rows alone (its CPU kernel takes each row alone, so they come out as in the whole tensor's).
+std::pair<at::Tensor, at::Tensor> top_rows(const at::Tensor& scores, int64_t k) {
+  const int64_t rows = scores.size(0), n = scores.size(1);
+  if (scores.scalar_type() != at::kFloat || !scores.is_contiguous() || k > kDistinctTopMax || n <= k) {
+    auto [values, indices] = at::topk(scores, k);
+    return {values.contiguous(), indices.contiguous()};
+  }
+  auto values = at::empty({rows, k}, scores.options());
+  auto indices = at::empty({rows, k}, scores.options().dtype(at::kLong));
+  const float* data = scores.data_ptr<float>();
+  std::vector<int64_t> tied;
+  for (int64_t r = 0; r < rows; ++r) {
+    if (!distinct_top(data + r * n, n, k, values.data_ptr<float>() + r * k, indices.data_ptr<int64_t>() + r * k)) {
+      tied.push_back(r);
+    }
+  }
+  if (!tied.empty()) {
+    const auto which = at::tensor(tied, at::kLong);
+    auto [tied_values, tied_indices] = at::topk(scores.index_select(0, which), k);
+    values.index_copy_(0, which, tied_values);
+    indices.index_copy_(0, which, tied_indices);
+  }
+  return {values, indices};
+}
+
+struct Source {
+  std::vector<Entry> running, kept;
+  bool improvable = true;  // transformers' `is_early_stop_heuristic_unsatisfied`
+};
+
+// At least this many scores a share of `largest`'s block maxima when they are shared between torch's threads (a call
+// in batches: a few hundred sources of 4 x 8,000 scores a step); fewer (a sentence a call) stay on one thread.
+constexpr int64_t kMaximaPerThread = 1 << 18;
+
+class Beams {
  public:
-  // prompt: the decoder's prefix; penalties[n]: n ** length_penalty (n output tokens), rounded to float32 here;
-  // early_stopping: whether it is True (not False or "never"); best_length: the length the early-stop test divides
-  // the best running score by, -1 for the current one (transformers takes the longest with "never" and a positive
-  // penalty); max_length: the stopping criteria's (-1: none); ends: the end-of-sentence ids; block,
-  // block_top_k_min: fast_decoding.py's BLOCK and BLOCK_TOP_K_MIN.
-  OneSourceBeams(std::vector<int64_t> prompt, int64_t num_beams, int64_t k2, std::vector<double> penalties,
-                 bool early_stopping, int64_t best_length, int64_t max_length, std::vector<int64_t> ends,
-                 int64_t block, int64_t block_top_k_min)
+  // prompts: each row's decoder prefix (sources x num_beams rows, source-major, as transformers expands them);
+  // penalties[n]: n ** length_penalty (n output tokens), rounded to float32 here; early_stopping: whether it is True
+  // (not False or "never"); best_length: the length the early-stop test divides the best running score by, -1 for
+  // the current one (transformers takes the longest with "never" and a positive penalty); max_length: the stopping
+  // criteria's (-1: none); ends: the end-of-sentence ids; block, block_top_k_min: fast_decoding.py's BLOCK and
+  // BLOCK_TOP_K_MIN.
+  Beams(const at::Tensor& prompts, int64_t num_beams, int64_t k2, std::vector<double> penalties, bool early_stopping,
+        int64_t best_length, int64_t max_length, std::vector<int64_t> ends, int64_t block, int64_t block_top_k_min)
       : num_beams_(num_beams), k2_(k2), early_stopping_(early_stopping), best_length_(best_length),
-        max_length_(max_length), ends_(std::move(ends)), block_(block),
-        block_top_k_min_(block_top_k_min), prompt_len_(static_cast<int64_t>(prompt.size())),
-        cur_len_(prompt_len_) {
-    TORCH_CHECK(num_beams >= 1 && k2 >= num_beams, "one_source_beams: need 1 <= num_beams <= k2");
+        max_length_(max_length), ends_(std::move(ends)), block_(block), block_top_k_min_(block_top_k_min) {
+    TORCH_CHECK(num_beams >= 1 && k2 >= num_beams, "beams: need 1 <= num_beams <= k2");
+    TORCH_CHECK(prompts.dim() == 2 && prompts.size(0) > 0 && prompts.size(0) % num_beams == 0,
+                "beams: the prompts must be (sources x num_beams, length)");
     for (double p : penalties) penalties_.push_back(static_cast<float>(p));
-    for (int64_t beam = 0; beam < num_beams; ++beam) {
-      running_.push_back({beam == 0 ? 0.0f : -1e9f, prompt, false});
-      kept_.push_back({-1e9f, prompt, false});
+    const auto ids = prompts.to(at::kLong).contiguous();
+    prompt_len_ = cur_len_ = ids.size(1);
+    const int64_t* data = ids.data_ptr<int64_t>();
+    for (int64_t s = 0; s < ids.size(0) / num_beams; ++s) {
+      Source source;
+      for (int64_t beam = 0; beam < num_beams; ++beam) {
+        const int64_t* row = data + (s * num_beams + beam) * prompt_len_;
+        std::vector<int64_t> prompt(row, row + prompt_len_);
+        source.running.push_back({beam == 0 ? 0.0f : -1e9f, prompt, false});
+        source.kept.push_back({-1e9f, std::move(prompt), false});
+      }
+      sources_.push_back(std::move(source));
+      active_.push_back(s);
     }
   }
 
   int64_t cur_len() const { return cur_len_; }
   int64_t num_beams() const { return num_beams_; }
+  // The rows of the sources still decoded (the decoder's batch).
+  int64_t rows() const { return static_cast<int64_t>(active_.size()) * num_beams_; }
 
-  // The running beams' ids (k, cur_len), for processors that read them.
+  // The running beams' ids (rows, cur_len), for processors that read them.
   at::Tensor running_ids() const {
-    auto out = at::empty({num_beams_, cur_len_}, at::kLong);
+    auto out = at::empty({rows(), cur_len_}, at::kLong);
     int64_t* data = out.data_ptr<int64_t>();
-    for (int64_t beam = 0; beam < num_beams_; ++beam) {
-      std::copy(running_[beam].ids.begin(), running_[beam].ids.end(), data + beam * cur_len_);
+    for (int64_t s : active_) {
+      for (const auto& entry : sources_[s].running) data = std::copy(entry.ids.begin(), entry.ids.end(), data);
     }
     return out;
   }
 
-  // One step from the running beams' log-probabilities (k, V) (the processors' output): returns (done, the beam
-  // each new running beam continues, None where they are 0 .. k - 1 in order, the next tokens (k, 1)).
-  std::tuple<bool, std::optional<at::Tensor>, at::Tensor> advance(const at::Tensor& log_probs) {
-    TORCH_CHECK(log_probs.dim() == 2 && log_probs.size(0) == num_beams_ && log_probs.is_contiguous() &&
+  struct Step {
+    bool done;
+    std::optional<at::Tensor> still;  // the positions among the sources decoded of those that go on (None: all)
+    std::optional<at::Tensor> rows;   // the row each new running beam continues (None: each its own)
+    at::Tensor tokens;                // the next tokens (rows, 1)
+  };
+
+  // One step from the running beams' log-probabilities (rows, V) (the processors' output), transformers'
+  // `_beam_search` step for each source still decoded: the 2k best continuations of its beams, the best k unfinished
+  // go on, and those of the first k that ended replace the worst kept hypotheses while they score better (after the
+  // length penalty). Then, as fast_decoding.py's `beam_search` after `_beam_search_has_unfinished_sequences`: done,
+  // or the finished sources leave (`still`), and the rows the others' beams continue.
+  Step advance(const at::Tensor& log_probs) {
+    const int64_t A = static_cast<int64_t>(active_.size()), k = num_beams_, k2 = k2_;
+    TORCH_CHECK(log_probs.dim() == 2 && log_probs.size(0) == A * k && log_probs.is_contiguous() &&
                     log_probs.device().is_cpu(),
-                "one_source_beams: log-probabilities must be (num_beams, V), contiguous, on the CPU");
+                "beams: log-probabilities must be (rows, V), contiguous, on the CPU");
     const int64_t width = log_probs.size(1);
-    std::vector<float> shift_values;
-    for (const auto& entry : running_) shift_values.push_back(entry.score);
-    auto shift = at::tensor(shift_values, at::kFloat);
-    auto [values, indices] = largest(log_probs, shift);
+    auto shift = at::empty({A, k}, at::kFloat);
+    for (int64_t a = 0; a < A; ++a) {
+      for (int64_t beam = 0; beam < k; ++beam) shift.data_ptr<float>()[a * k + beam] = source(a).running[beam].score;
+    }
+    auto [values_, indices_] = largest(log_probs.view({A, k, width}), shift);
+    const float* values = values_.data_ptr<float>();
+    const int64_t* indices = indices_.data_ptr<int64_t>();
     const bool at_length = max_length_ >= 0 && cur_len_ + 1 >= max_length_;
 
-    struct Candidate {
-      float value;
-      std::vector<int64_t> ids;
-      int64_t beam;
-      bool ended;
-      float running_score;  // an ended one's is 1e9 lower
-    };
-    std::vector<Candidate> candidates;
-    candidates.reserve(values.size());
+    // Each candidate's beam, token, whether it ended, and its score as a running beam (an ended one's 1e9 lower)
+    std::vector<int64_t> beams(A * k2), tokens(A * k2);
+    std::vector<char> ended(A * k2);
+    auto running_scores = at::empty({A, k2}, at::kFloat);
+    float* running_score = running_scores.data_ptr<float>();
     bool all_ended = true;
-    for (size_t j = 0; j < values.size(); ++j) {
-      const int64_t beam = indices[j] / width, token = indices[j] % width;
-      const bool ended = at_length || std::find(ends_.begin(), ends_.end(), token) != ends_.end();
-      std::vector<int64_t> ids = running_[beam].ids;
-      ids.push_back(token);
-      candidates.push_back({values[j], std::move(ids), beam, ended, ended ? lowered(values[j]) : values[j]});
-      all_ended = all_ended && ended;
+    for (int64_t i = 0; i < A * k2; ++i) {
+      beams[i] = indices[i] / width, tokens[i] = indices[i] % width;
+      ended[i] = at_length || std::find(ends_.begin(), ends_.end(), tokens[i]) != ends_.end();
+      running_score[i] = ended[i] ? lowered(values[i]) : values[i];
+      all_ended = all_ended && ended[i];
     }
     // The k best continuations go on as running beams (transformers' `_get_running_beams_for_next_iteration`)
-    std::vector<float> running_scores;
-    for (const auto& candidate : candidates) running_scores.push_back(candidate.running_score);
-    const auto order = top(running_scores, num_beams_);
+    const auto order_ = std::get<1>(at::topk(running_scores, k)).contiguous();
+    const int64_t* order = order_.data_ptr<int64_t>();
     // Those among the first k that ended compete with the kept hypotheses, their scores divided by the length
     // penalty; the others (and all of them once the kept ones are full or nothing can improve) are 1e9 lower
     const float penalty = penalty_of(cur_len_ + 1 - prompt_len_);
-    bool all_kept = std::all_of(kept_.begin(), kept_.end(), [](const Entry& e) { return e.finished; });
-    const bool full = all_kept && early_stopping_;
-    std::vector<Entry> merged = kept_;
-    for (size_t j = 0; j < candidates.size(); ++j) {
-      const bool ended = candidates[j].ended && static_cast<int64_t>(j) < num_beams_;
-      float score = candidates[j].value / penalty;
-      for (bool lower : {full, !improvable_, !ended}) {
-        if (lower) score = lowered(score);
+    auto merged_scores = at::empty({A, k + k2}, at::kFloat);
+    float* merged = merged_scores.data_ptr<float>();
+    for (int64_t a = 0; a < A; ++a) {
+      const Source& s = source(a);
+      const bool full = all_finished(s.kept) && early_stopping_;
+      float* row = merged + a * (k + k2);
+      for (int64_t i = 0; i < k; ++i) row[i] = s.kept[i].score;
+      for (int64_t j = 0; j < k2; ++j) {
+        const bool finished = ended[a * k2 + j] && j < k;
+        float score = values[a * k2 + j] / penalty;
+        for (bool lower : {full, !s.improvable, !finished}) {
+          if (lower) score = lowered(score);
+        }
+        row[k + j] = score;
       }
-      merged.push_back({score, candidates[j].ids, ended});
     }
-    std::vector<float> merged_scores;
-    for (const auto& entry : merged) merged_scores.push_back(entry.score);
-    std::vector<Entry> kept;
-    for (int64_t i : top(merged_scores, num_beams_)) kept.push_back(std::move(merged[i]));
-    kept_ = std::move(kept);
-    std::vector<Entry> running;
-    std::vector<int64_t> beams;
-    bool in_order = true;
-    for (int64_t j : order) {
-      running.push_back({candidates[j].running_score, std::move(candidates[j].ids), false});
-      in_order = in_order && candidates[j].beam == static_cast<int64_t>(beams.size());
-      beams.push_back(candidates[j].beam);
-    }
-    running_ = std::move(running);
+    const auto picks_ = std::get<1>(at::topk(merged_scores, k)).contiguous();
+    const int64_t* picks = picks_.data_ptr<int64_t>();
+
     cur_len_ += 1;
-    // transformers' `_check_early_stop_heuristic`: can the best running beam still beat the worst kept one?
-    const float best_possible = running_[0].score / penalty_of(best_length_ >= 0 ? best_length_ : cur_len_ - prompt_len_);
-    float worst = kept_[0].score;
-    for (const auto& entry : kept_) worst = std::min(worst, entry.score);
-    bool any = false;
-    for (const auto& entry : kept_) any = any || best_possible > (entry.finished ? worst : -1e9f);
-    improvable_ = improvable_ && any;
-    all_kept = std::all_of(kept_.begin(), kept_.end(), [](const Entry& e) { return e.finished; });
-    auto tokens = at::empty({num_beams_, 1}, at::kLong);
-    for (int64_t beam = 0; beam < num_beams_; ++beam) tokens.data_ptr<int64_t>()[beam] = running_[beam].ids.back();
-    const bool done = !improvable_ || (all_kept && early_stopping_) || all_ended;
-    std::optional<at::Tensor> reorder;
-    if (!done && !in_order) reorder = at::tensor(beams, at::kLong);
-    return {done, reorder, tokens};
+    const float best_penalty = penalty_of(best_length_ >= 0 ? best_length_ : cur_len_ - prompt_len_);
+    bool any_improvable = false, all_kept = true;
+    std::vector<char> finished(A);
+    for (int64_t a = 0; a < A; ++a) {
+      Source& s = source(a);
+      auto continued = [&](int64_t j) {  // candidate j's ids: its beam's, then its token
+        const auto& from = s.running[beams[a * k2 + j]].ids;
+        std::vector<int64_t> ids;
+        ids.reserve(from.size() + 1);
+        ids.assign(from.begin(), from.end());
+        ids.push_back(tokens[a * k2 + j]);
+        return ids;
+      };
+      std::vector<Entry> kept, running;
+      for (int64_t i = 0; i < k; ++i) {
+        const int64_t pick = picks[a * k + i];
+        if (pick < k) {
+          kept.push_back(std::move(s.kept[pick]));
+        } else {
+          const int64_t j = pick - k;
+          kept.push_back({merged[a * (k + k2) + pick], continued(j), ended[a * k2 + j] && j < k});
+        }
+      }
+      for (int64_t i = 0; i < k; ++i) running.push_back({running_score[a * k2 + order[a * k + i]],
+                                                         continued(order[a * k + i]), false});
+      s.kept = std::move(kept), s.running = std::move(running);
+      // transformers' `_check_early_stop_heuristic`: can the best running beam still beat the worst kept one?
+      const float best_possible = s.running[0].score / best_penalty;
+      float worst = s.kept[0].score;
+      for (const auto& entry : s.kept) worst = std::min(worst, entry.score);
+      bool any = false;
+      for (const auto& entry : s.kept) any = any || best_possible > (entry.finished ? worst : -1e9f);
+      s.improvable = s.improvable && any;
+      const bool source_kept = all_finished(s.kept);
+      finished[a] = !s.improvable || (source_kept && early_stopping_);
+      any_improvable = any_improvable || s.improvable;
+      all_kept = all_kept && source_kept;
+    }
+    // transformers' `_beam_search_has_unfinished_sequences`, over the sources decoded this step
+    std::vector<int64_t> still;
+    for (int64_t a = 0; a < A; ++a) {
+      if (!finished[a]) still.push_back(a);
+    }
+    if (!any_improvable || (all_kept && early_stopping_) || all_ended || still.empty()) {
+      return {true, std::nullopt, std::nullopt, at::Tensor()};
+    }
+    const int64_t S = static_cast<int64_t>(still.size());
+    auto rows_ = at::empty({S * k}, at::kLong);
+    auto next = at::empty({S * k, 1}, at::kLong);
+    int64_t* rows = rows_.data_ptr<int64_t>();
+    bool in_order = S == A;
+    std::vector<int64_t> active;
+    for (int64_t i = 0; i < S; ++i) {
+      const int64_t a = still[i];
+      for (int64_t beam = 0; beam < k; ++beam) {
+        rows[i * k + beam] = a * k + beams[a * k2 + order[a * k + beam]];
+        in_order = in_order && rows[i * k + beam] == i * k + beam;
+        next.data_ptr<int64_t>()[i * k + beam] = source(a).running[beam].ids.back();
+      }
+      active.push_back(active_[a]);
+    }
+    active_ = std::move(active);
+    std::optional<at::Tensor> kept_sources, reorder;
+    if (S < A) kept_sources = at::tensor(still, at::kLong);
+    if (!in_order) reorder = rows_;
+    return {false, kept_sources, reorder, next};
   }
 
-  // The first `count` kept hypotheses (num_return_sequences), padded with `fill` to the longest.
+  // Each source's first `count` kept hypotheses (num_return_sequences), padded with `fill` to the longest
+  // (sources x count, length).
   at::Tensor result(int64_t count, int64_t fill) const {
+    TORCH_CHECK(count >= 1 && count <= num_beams_, "beams: need 1 <= count <= num_beams");
     size_t length = 0;
-    for (int64_t i = 0; i < count; ++i) length = std::max(length, kept_[i].ids.size());
-    auto out = at::full({count, static_cast<int64_t>(length)}, fill, at::kLong);
-    for (int64_t i = 0; i < count; ++i) {
-      std::copy(kept_[i].ids.begin(), kept_[i].ids.end(), out.data_ptr<int64_t>() + i * length);
+    for (const auto& s : sources_) {
+      for (int64_t i = 0; i < count; ++i) length = std::max(length, s.kept[i].ids.size());
+    }
+    const int64_t S = static_cast<int64_t>(sources_.size());
+    auto out = at::full({S * count, static_cast<int64_t>(length)}, fill, at::kLong);
+    for (int64_t s = 0; s < S; ++s) {
+      for (int64_t i = 0; i < count; ++i) {
+        const auto& ids = sources_[s].kept[i].ids;
+        std::copy(ids.begin(), ids.end(), out.data_ptr<int64_t>() + (s * count + i) * length);
+      }
     }
     return out;
   }
 
  private:
+  Source& source(int64_t a) { return sources_[active_[a]]; }
+
+  static bool all_finished(const std::vector<Entry>& entries) {
+    return std::all_of(entries.begin(), entries.end(), [](const Entry& e) { return e.finished; });
+  }
+
   float penalty_of(int64_t n) const {
-    TORCH_CHECK(n >= 0 && n < static_cast<int64_t>(penalties_.size()), "one_source_beams: no length penalty for ", n,
+    TORCH_CHECK(n >= 0 && n < static_cast<int64_t>(penalties_.size()), "beams: no length penalty for ", n,
                 " tokens");
     return penalties_[n];
   }
 
-  // fast_decoding.py's `one_source_largest`: the k2 largest of scores (m, V) + shift[:, None], by the same ATen
-  // operations (the blocks of `block` columns with the largest maxima where V is whole blocks, else `largest`).
-  std::pair<std::vector<float>, std::vector<int64_t>> largest(const at::Tensor& scores, const at::Tensor& shift) {
-    const int64_t m = scores.size(0), width = scores.size(1), blocks = width / block_;
-    if (blocks * block_ != width || m * width < block_top_k_min_ || m * blocks < k2_) {
+  // fast_decoding.py's `largest`: the k2 largest of each source's scores (A, m, V) + shift[:, :, None] (A, m), as
+  // float32 values and indices into m x V (A, k2), by the same ATen operations (so exact ties go the same way).
+  std::pair<at::Tensor, at::Tensor> largest(const at::Tensor& scores, const at::Tensor& shift) {
+    const int64_t A = scores.size(0), m = scores.size(1), width = scores.size(2), blocks = width / block_;
+    if (blocks * block_ != width || m * width < block_top_k_min_ || m * blocks < k2_ ||
+        scores.scalar_type() != at::kFloat) {
       auto [values, indices] = largest_any(scores, shift);
-      return {as_vector<float>(values.to(at::kFloat)), as_vector<int64_t>(indices)};
+      return {values.to(at::kFloat).contiguous(), indices.contiguous()};
     }
-    at::Tensor values;
-    std::vector<int64_t> chosen_;
-    if (scores.scalar_type() == at::kFloat && shift.scalar_type() == at::kFloat) {
-      // The same numbers by hand: ATen's amax over (m, blocks, 64) took 15 us of a 6 x 8,000 step, its index_select
-      // and add a few more (a maximum is exact, and each sum is the same float32 addition)
-      const float* data = scores.data_ptr<float>();
-      const float* shifts = shift.data_ptr<float>();
-      auto maxima = at::empty({m * blocks}, scores.options());
-      block_maxima(data, m, blocks, block_, shifts, maxima.data_ptr<float>());
-      auto chosen = std::get<1>(at::topk(maxima.view({1, m * blocks}), k2_))[0].contiguous();
-      values = at::empty({k2_ * block_}, scores.options());
-      float* out = values.data_ptr<float>();
-      const int64_t* picked_blocks = chosen.data_ptr<int64_t>();
-      for (int64_t i = 0; i < k2_; ++i) {
-        const float* from = data + picked_blocks[i] * block_;
-        const float add = shifts[picked_blocks[i] / blocks];
-        for (int64_t j = 0; j < block_; ++j) out[i * block_ + j] = from[j] + add;
+    // The same numbers by hand: ATen's amax over (A, m, blocks, 64), its gather and add (a maximum is exact, and each
+    // sum is the same float32 addition), without their intermediate tensors
+    const float* data = scores.data_ptr<float>();
+    const float* shifts = shift.data_ptr<float>();
+    auto maxima = at::empty({A, m * blocks}, scores.options());
+    float* maxima_data = maxima.data_ptr<float>();
+    const int64_t grain = std::max<int64_t>(1, kMaximaPerThread / (m * width));
+    at::parallel_for(0, A, grain, [&](int64_t begin, int64_t end) {
+      for (int64_t a = begin; a < end; ++a) {
+        block_maxima(data + a * m * width, m, blocks, block_, shifts + a * m, maxima_data + a * m * blocks);
       }
-      chosen_ = as_vector<int64_t>(chosen);
-    } else {
-      auto maxima = scores.reshape({m, blocks, block_}).amax(-1);
-      maxima += shift.unsqueeze(1);
-      auto chosen = std::get<1>(at::topk(maxima.view({1, m * blocks}), k2_))[0];
-      values = scores.view({m * blocks, block_}).index_select(0, chosen);
-      values.add_(shift.index_select(0, chosen.div(blocks, "floor")).unsqueeze(1));
-      chosen_ = as_vector<int64_t>(chosen);
+    });
+    const auto chosen = top_rows(maxima, k2_).second;  // (A, k2) of the m x blocks
+    const int64_t* chosen_blocks = chosen.data_ptr<int64_t>();
+    auto values = at::empty({A, k2_ * block_}, scores.options());
+    float* out = values.data_ptr<float>();
+    for (int64_t a = 0; a < A; ++a) {
+      for (int64_t i = 0; i < k2_; ++i) {
+        const int64_t b = chosen_blocks[a * k2_ + i];
+        const float* from = data + a * m * width + b * block_;
+        const float add = shifts[a * m + b / blocks];
+        float* to = out + (a * k2_ + i) * block_;
+        for (int64_t j = 0; j < block_; ++j) to[j] = from[j] + add;
+      }
     }
-    auto [best, picked] = at::topk(values.view({-1}), k2_);
-    const auto picked_ = as_vector<int64_t>(picked);
-    std::vector<int64_t> indices;
-    for (int64_t i : picked_) indices.push_back(chosen_[i / block_] * block_ + i % block_);
-    return {as_vector<float>(best.to(at::kFloat)), indices};
+    auto [best, picked] = top_rows(values, k2_);
+    auto indices = at::empty({A, k2_}, at::kLong);
+    const int64_t* picks = picked.data_ptr<int64_t>();
+    for (int64_t i = 0; i < A * k2_; ++i) {
+      indices.data_ptr<int64_t>()[i] = chosen_blocks[(i / k2_) * k2_ + picks[i] / block_] * block_ + picks[i] % block_;
+    }
+    return {best, indices};
   }
 
-  // fast_decoding.py's `largest` for one source (scores (1, m, V), shift (1, m)).
-  std::pair<at::Tensor, at::Tensor> largest_any(const at::Tensor& scores_, const at::Tensor& shift_) {
-    auto scores = scores_.unsqueeze(0), shift = shift_.unsqueeze(0);
-    const int64_t m = scores.size(1), width = scores.size(2), blocks = width / block_;
+  // fast_decoding.py's `largest` operation for operation (scores (A, m, V), shift (A, m)).
+  std::pair<at::Tensor, at::Tensor> largest_any(const at::Tensor& scores, const at::Tensor& shift) {
+    const int64_t A = scores.size(0), m = scores.size(1), width = scores.size(2), blocks = width / block_;
     if (m * width < block_top_k_min_ || m * blocks < k2_) {
       auto flat = scores + shift.unsqueeze(2);
-      auto [values, indices] = at::topk(flat.reshape({1, m * width}), k2_);
-      return {values[0], indices[0]};
+      auto [values, indices] = at::topk(flat.reshape({A, m * width}), k2_);
+      return {values, indices};
     }
-    auto maxima = scores.slice(2, 0, blocks * block_).reshape({1, m, blocks, block_}).amax(-1);
+    auto maxima = scores.slice(2, 0, blocks * block_).reshape({A, m, blocks, block_}).amax(-1);
     maxima += shift.unsqueeze(2);
-    auto chosen = std::get<1>(at::topk(maxima.view({1, m * blocks}), k2_));
+    auto chosen = std::get<1>(at::topk(maxima.view({A, m * blocks}), k2_));
     auto beam = chosen.div(blocks, "floor");
     auto starts = beam * width + (chosen - beam * blocks) * block_;
-    auto candidates = (starts.unsqueeze(2) + at::arange(block_, scores.options().dtype(at::kLong))).view({1, -1});
-    auto flat = scores.view({1, m * width});
+    auto candidates = (starts.unsqueeze(2) + at::arange(block_, scores.options().dtype(at::kLong))).view({A, -1});
+    auto flat = scores.view({A, m * width});
     auto values = flat.gather(1, candidates);
-    values.view({1, k2_, block_}).add_(shift.gather(1, beam).unsqueeze(2));
+    values.view({A, k2_, block_}).add_(shift.gather(1, beam).unsqueeze(2));
     if (blocks * block_ < width) {
       auto longs = scores.options().dtype(at::kLong);
       auto columns = at::arange(blocks * block_, width, longs);
       auto tail = (columns + width * at::arange(m, longs).unsqueeze(1)).view({-1});
       auto tail_values = flat.index({at::indexing::Slice(), tail});
       tail_values += shift.repeat_interleave(width - blocks * block_, 1);
-      candidates = at::cat({candidates, tail.expand({1, -1})}, 1);
+      candidates = at::cat({candidates, tail.expand({A, -1})}, 1);
       values = at::cat({values, tail_values}, 1);
     }
     auto [best, picked] = at::topk(values, k2_);
-    return {best[0], candidates.gather(1, picked)[0]};
-  }
-
-  template <typename T>
-  static std::vector<T> as_vector(const at::Tensor& tensor) {
-    auto contiguous = tensor.contiguous();
-    const T* data = contiguous.data_ptr<T>();
-    return std::vector<T>(data, data + contiguous.numel());
+    return {best, candidates.gather(1, picked)};
   }
 
   int64_t num_beams_, k2_;
   bool early_stopping_;
   int64_t best_length_, max_length_;
   std::vector<int64_t> ends_;
-  int64_t block_, block_top_k_min_, prompt_len_, cur_len_;
+  int64_t block_, block_top_k_min_, prompt_len_ = 0, cur_len_ = 0;
   std::vector<float> penalties_;
-  bool improvable_ = true;  // transformers' `is_early_stop_heuristic_unsatisfied`
-  std::vector<Entry> running_, kept_;
+  std::vector<Source> sources_;
+  std::vector<int64_t> active_;  // each source still decoded, in the decoder's order
 };
 
 // A copy of this many bytes in all (keys and values) goes past the caches: written with streaming stores, which skip
@@ -1368,7 +1560,7 @@ class RowsSession {
   // The same choices and sums as that loop: the first step decodes the start token once for all k beams
   // (`first_step`), whose rows then read its keys and values through their lineages (`PositionSlots.follow`), and
   // the buffers grow as `PositionSlots` grows them. Returns `beams.result(count, fill)`.
-  at::Tensor search(OneSourceBeams& beams, int64_t start, const at::Tensor& weight, const at::Tensor& bias,
+  at::Tensor search(Beams& beams, int64_t start, const at::Tensor& weight, const at::Tensor& bias,
                     const std::vector<ColumnMask>& masks, int64_t count, int64_t fill) const {
 #ifdef VASWANI_TX_AVX512
     check_rows_tensor(weight, "the pre-softmax W");
@@ -1416,13 +1608,13 @@ class RowsSession {
       if (M < k) logits.narrow(0, M, k - M).copy_(scores.expand({k - M, V}));
       const int64_t cur_len = beams.cur_len();
       for (const ColumnMask& mask : masks) mask.apply(logits, cur_len);
-      auto [done, reorder, next] = beams.advance(logits);
-      if (done) return beams.result(count, fill);
-      if (reorder.has_value()) {  // (`PositionSlots.follow`: the rows continued, through their lineages)
-        auto followed = lineage.narrow(1, 0, written + 1).index_select(0, *reorder);
+      Beams::Step next = beams.advance(logits);  // (one source: it goes on until done)
+      if (next.done) return beams.result(count, fill);
+      if (next.rows.has_value()) {  // (`PositionSlots.follow`: the rows continued, through their lineages)
+        auto followed = lineage.narrow(1, 0, written + 1).index_select(0, *next.rows);
         lineage.narrow(1, 0, written + 1).copy_(followed);
       }
-      tokens = next;
+      tokens = next.tokens;
     }
 #else
     TORCH_CHECK(false, "search: built for a CPU without AVX-512");
@@ -1609,13 +1801,18 @@ bool decoder_rows_supported() {
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  pybind11::class_<OneSourceBeams>(m, "OneSourceBeams")
-      .def(pybind11::init<std::vector<int64_t>, int64_t, int64_t, std::vector<double>, bool, int64_t, int64_t,
+  pybind11::class_<Beams>(m, "Beams")
+      .def(pybind11::init<const at::Tensor&, int64_t, int64_t, std::vector<double>, bool, int64_t, int64_t,
                           std::vector<int64_t>, int64_t, int64_t>())
-      .def("advance", &OneSourceBeams::advance)
-      .def("running_ids", &OneSourceBeams::running_ids)
-      .def("result", &OneSourceBeams::result)
-      .def_property_readonly("cur_len", &OneSourceBeams::cur_len);
+      .def("advance",
+           [](Beams& beams, const at::Tensor& log_probs) {
+             Beams::Step step = beams.advance(log_probs);
+             return std::make_tuple(step.done, step.still, step.rows, step.tokens);
+           })
+      .def("running_ids", &Beams::running_ids)
+      .def("result", &Beams::result)
+      .def_property_readonly("cur_len", &Beams::cur_len)
+      .def_property_readonly("rows", &Beams::rows);
   pybind11::class_<RowsModel, std::shared_ptr<RowsModel>>(m, "RowsModel")
       .def(pybind11::init([](const at::Tensor& embedding, double scale, const at::Tensor& positions,
                              std::vector<at::Tensor> weights, std::vector<at::Tensor> quantized, int64_t heads,
