@@ -9,7 +9,10 @@ from __future__ import annotations
 import copy
 import math
 import os
+import platform
+import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -1385,3 +1388,53 @@ def test_a_batch_of_sources_is_not_kept():
     ids, mask = batch(seed=1)
     model.generate(input_ids=ids, attention_mask=mask)
     assert not model.__dict__.get("_prepared_calls")
+
+
+# --- glibc's thresholds, raised at a process' first call in batches ------------------------------------------------
+
+MAPPED_AFTER = """
+import ctypes, os, platform, sys
+sys.path.insert(0, {tests!r})
+libc = ctypes.CDLL("libc.so.6")
+
+class Info(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
+                 "keepcost")]
+
+libc.mallinfo2.restype = Info
+libc.malloc.restype, libc.malloc.argtypes, libc.free.argtypes = ctypes.c_void_p, [ctypes.c_size_t], [ctypes.c_void_p]
+
+def mapped(size):  # whether glibc maps a block of `size` bytes of its own rather than taking it from its heap
+    before = libc.mallinfo2().hblkhd
+    block = libc.malloc(size)
+    grew = libc.mallinfo2().hblkhd > before
+    libc.free(block)
+    return grew
+
+from test_modeling import batch, tiny_model
+model = tiny_model(seed=0)
+ids, mask = batch(seed=0, lengths={lengths})
+model.generate(input_ids=ids, attention_mask=mask, num_beams=2, max_new_tokens=3)
+print(mapped(20 * 2**20))
+"""
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's malloc only")
+@pytest.mark.parametrize(
+    "lengths, variable, raised",
+    [((5, 3), None, True), ((5,), None, False), ((5, 3), "MALLOC_TRIM_THRESHOLD_", False)],
+    ids=["in batches", "a sentence a call", "the user's own thresholds"],
+)
+def test_a_first_call_in_batches_raises_glibcs_thresholds_unless_the_user_set_them(lengths, variable, raised):
+    """After a call in batches, glibc serves a 20 MiB block from its heap (its mmap threshold raised to 32 MiB, as
+    it raises it itself once such a block is freed), so that a batch's temporaries are not mapped and faulted in
+    afresh at every step; not after a sentence a call, nor where the user set glibc's thresholds."""
+    env = {key: value for key, value in os.environ.items() if key not in fast_decoding.MALLOC_VARIABLES}
+    env.pop("GLIBC_TUNABLES", None)
+    if variable is not None:
+        env[variable] = str(128 * 1024)
+    code = MAPPED_AFTER.format(tests=str(Path(__file__).parent), lengths=lengths)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == str(not raised)
