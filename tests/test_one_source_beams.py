@@ -196,6 +196,27 @@ def test_a_batchs_exact_ties_and_each_top_k_path_go_as_in_python(vocab_size, pat
     assert paths.taken.count("native_search") == 6
 
 
+def test_each_rows_top_k_is_torch_topks_ties_nans_and_all(paths):
+    """The library's top-k of each row (`top_rows`: one pass where the answer is the only one, else torch.topk over
+    those rows) gives torch.topk's values and indices, in its order: random rows, rows rounded to bfloat16 (exact
+    ties), rows with a NaN, with -inf, all equal; k from 1 to past the one-pass limit (64)."""
+    library = sys.modules[fast_decoding.BEAMS_MODULE]
+    g = torch.Generator().manual_seed(0)
+    for width, k in ((8, 4), (12, 4), (500, 8), (512, 8), (300, 64), (300, 65), (7, 7)):
+        rows = torch.randn(40, width, generator=g)
+        rows[10:20] = rows[10:20].bfloat16().float() * 0.01  # few distinct values: ties among the largest
+        rows[20, 3] = math.nan
+        rows[21, :] = math.nan
+        rows[22, : width // 2] = -math.inf
+        rows[23, :] = -math.inf
+        rows[24, :] = 0.5
+        rows[25, width - 1] = rows[25].max()  # the largest twice
+        values, indices = library.top_rows(rows, k)
+        expected_values, expected_indices = torch.topk(rows, k)
+        assert torch.equal(indices, expected_indices), (width, k)
+        torch.testing.assert_close(values, expected_values, rtol=0, atol=0, equal_nan=True)
+
+
 # --- greedy search's int8 screen (`ScreenedArgmax`), its work after the int8 product in one call --------------------
 
 

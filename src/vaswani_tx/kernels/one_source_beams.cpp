@@ -1832,6 +1832,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   pybind11::class_<RowsSession>(m, "RowsSession")
       .def("step", &RowsSession::step)
       .def("search", &RowsSession::search);
+  m.def("top_rows", &top_rows);
   m.def("select_slots", &select_slots);
   m.def("slot_views", &slot_views);
   m.def("screened_logits", &screened_logits);
