@@ -329,6 +329,41 @@ def test_onednn_packs_the_whole_projection_once_for_any_number_of_rows(monkeypat
     assert fast_decoding.PackedProjection.of(model, 4).backend == "mkl"
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_onednns_packing_in_parts_gives_the_whole_packings_logits_and_transformers_ids(dtype, monkeypatch, loops):
+    """W packed for oneDNN in parts of rows (`PACK_PART_BYTES`: each part's file pages given back once it is packed,
+    so that W and its packed copy are not resident together): the same logits as the whole packing, bit for bit, a few
+    rows at once and many a block at a time with their log-softmax; and transformers' ids through it."""
+    if not compiled_decoding.onednn_linear_available():
+        pytest.skip("torch without oneDNN's inner product")
+    monkeypatch.setenv(compiled_decoding.GEMM_VARIABLE, "onednn")
+    model = tiny_model(seed=0, vocab_size=64 * 5 + 7, final_logits_bias=True).to(dtype)  # 6 parts, the last partial
+    weight = model.lm_head.weight
+    whole = fast_decoding.PackedProjection(weight, 4)
+    monkeypatch.setattr(fast_decoding, "PACK_PART_BYTES", 64 * weight.shape[1] * weight.element_size())
+    given_back = []  # each part's rows as it is packed, then W whole (the pages at the parts' edges)
+    monkeypatch.setattr(fast_decoding, "release_file_pages", lambda t: given_back.append((t.data_ptr(), t.shape[0])))
+    parts = fast_decoding.PackedProjection(weight, 4)
+    assert len(whole.parts) == 1 and len(parts.parts) == -(-weight.shape[0] // 64) > 1
+    row = weight.shape[1] * weight.element_size()
+    starts = range(0, weight.shape[0], 64)
+    expected = [(weight.data_ptr() + s * row, min(64, weight.shape[0] - s)) for s in starts]
+    assert given_back == expected + [(weight.data_ptr(), weight.shape[0])]
+    g = torch.Generator().manual_seed(0)
+    for rows in (1, 4, 9, 300):
+        hidden = torch.randn(rows, model.config.d_model, generator=g).to(dtype)
+        assert torch.equal(parts(hidden), whole(hidden)), rows
+        out = [torch.empty(rows, weight.shape[0]) for _ in range(2)]
+        assert torch.equal(parts(hidden, out=out[0], log_softmax=True), whole(hidden, out=out[1], log_softmax=True))
+    if dtype == torch.float32:
+        fast_decoding._PACKED.pop(model, None)
+        ids, mask = batch(seed=3, lengths=(7, 4, 6))
+        for num_beams in (1, 4):
+            fast, stock = both(model, input_ids=ids, attention_mask=mask, num_beams=num_beams, max_new_tokens=10)
+            assert torch.equal(fast, stock), num_beams
+        assert len(fast_decoding._PACKED[model].parts) > 1
+
+
 def test_a_bfloat16_projection_is_packed_for_onednn_whichever_library_is_chosen(monkeypatch):
     """A bfloat16 model's pre-softmax W is packed for oneDNN's product (oneMKL packs float32 only), whichever GEMM
     library is chosen for float32. Its logits come as float32 (what the loops read), a few rows at once or many a

@@ -412,10 +412,19 @@ class PackedProjection:
         small = weight.numel() * weight.element_size() <= PACK_WHOLE_BYTES
         whole = rows >= PACK_ALL_ROWS or self.backend == "onednn" or small
         self.split = vocabulary if whole else math.ceil(vocabulary * PACK_FEW_ROWS_SHARE)
+        self.parts: list[torch.Tensor] = []  # (oneDNN's packing, in parts of rows of W)
         with torch.no_grad():
             if self.backend == "onednn":
-                self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
-                # the embeddings read a few rows of W a step, and products of very many rows W itself
+                # In parts of rows (`PACK_PART_BYTES`), each part's file pages given back once it is packed
+                part_rows = max(64, PACK_PART_BYTES // (weight.shape[1] * weight.element_size()) // 64 * 64)
+                for start in range(0, vocabulary, part_rows):
+                    part = weight.detach()[start : start + part_rows]
+                    self.parts.append(torch.ops.mkldnn._reorder_linear_weight(part))
+                    if part_rows < vocabulary:
+                        release_file_pages(part)
+                self.packed = self.parts[0] if len(self.parts) == 1 else None
+                # (the pages at the parts' edges too) the embeddings read a few rows of W a step, and products of
+                # very many rows W itself
                 release_file_pages(weight)
             else:
                 self.packed = torch.ops.mkl._mkl_reorder_linear_weight(weight.detach()[: self.split], rows)
@@ -423,6 +432,12 @@ class PackedProjection:
     def serves(self, rows: int) -> bool:
         """Whether a product of this many rows can use the packing."""
         return self.backend == "onednn" or rows == self.rows
+
+    def onednn_logits(self, rows: torch.Tensor) -> torch.Tensor:
+        """float32 logits (rows, V) through oneDNN's packing, part by part where W was packed in parts."""
+        if len(self.parts) == 1:
+            return onednn_linear(rows, self.parts[0], None).float()
+        return torch.cat([onednn_linear(rows, part, None) for part in self.parts], dim=1).float()
 
     @property
     def whole(self) -> bool:
@@ -438,13 +453,10 @@ class PackedProjection:
         split, weight = self.split, self.weight
         # (a bfloat16 W's logits are bfloat16: made float32, as the loops read them, before the log-softmax)
         if self.backend == "onednn" and out is not None:  # oneDNN's product has no `out`: a block at a time
-            blocks = logits_in_blocks(
-                lambda block: onednn_linear(block, self.packed, None).float(), rows, out, log_softmax
-            )
+            blocks = logits_in_blocks(self.onednn_logits, rows, out, log_softmax)
             return blocks.view(*hidden.shape[:-1], -1)
         if self.backend == "onednn":
-            logits = onednn_linear(rows, self.packed, None).float()
-            return in_log_space(logits, log_softmax).view(*hidden.shape[:-1], -1)
+            return in_log_space(self.onednn_logits(rows), log_softmax).view(*hidden.shape[:-1], -1)
         logits = torch.ops.mkl._mkl_linear(rows, self.packed, weight[:split], None, self.rows)
         if not self.whole:
             head, logits = logits, out if out is not None else rows.new_empty(rows.shape[0], weight.shape[0])
@@ -493,6 +505,12 @@ PACK_FEW_ROWS_SHARE = 0.75
 # process' peak (4 MiB of 430 or more), and its own product costs a sixth of the projection (8,000 x 256 at beam 4,
 # one thread, Intel Xeon, inside the decoding loop: 0.62-0.69 against 0.52-0.57 ms a step, docs/speed.md).
 PACK_WHOLE_BYTES = 16 * 2**20
+# oneDNN packs W in parts of at most this many bytes (whole multiples of 64 rows), each part's own pages given back
+# as soon as it is packed: packed whole, W's pages and its packed copy were resident together at the first call (the
+# base shape's 75 MB W: 691 MiB at that moment against 614 before and 619 after, beam 4 batch 1's peak MarianMT's
+# + 10.0-10.8%). The parts' products are the whole packing's bit for bit (2, 3 and 4 parts, one and two threads,
+# 1-800 rows: oneDNN sums each column alone); many rows then take one copy more of their logits (`torch.cat`).
+PACK_PART_BYTES = 16 * 2**20
 # glibc maps every allocation above 32 MiB afresh (its largest mmap threshold), and a fresh (rows, V) tensor then
 # costs a page fault per 4 KiB at each step: 16-20 ms for Multi30k's 1,750 x 8,000 logits, more than the product.
 # Logits that large go into one buffer kept for the call.
