@@ -588,13 +588,13 @@ def raise_malloc_thresholds() -> bool:
     """Once a process, at its first call in batches on the CPU: take glibc malloc's mmap threshold to its highest
     (32 MiB), as glibc itself does once a mapped block that large is freed, by allocating and freeing one (a page
     touched). Not for a sentence a call, whose temporaries are small: there the heap kept up to twice the threshold
-    free would raise the process' peak (beam 4 a sentence a call sits at MarianMT's peak + 8%).
+    free would raise the process' peak (greedy batch 1 sits at MarianMT's + 7.5% on the base shape).
 
     Why: glibc starts at 128 KiB and raises the threshold only as mapped blocks are freed, and it gives the top of its
     heap back to the kernel past twice the threshold. A batched call's temporaries (its step's products, tens of MB
     a step) were thus mapped, given back and faulted in again: Multi30k val in batches, beam 4, a fresh process'
     first pass took 290,000-300,000 page faults (0.5 s of the kernel's time, two threads, AMD EPYC Zen 5), against
-    206,000-218,000 raised (the rest: its peak's pages, touched once), and later passes 65,000-69,000 against
+    206,000-226,000 raised (the rest: its peak's pages, touched once), and later passes 65,000-69,000 against
     45,000-63,000. Nothing is pinned: glibc goes on adjusting as it would, and where the user set the thresholds
     (`MALLOC_VARIABLES`, GLIBC_TUNABLES) or the process' malloc is not glibc's (jemalloc, tcmalloc preloaded), this
     does nothing. Returns whether it raised them."""
@@ -1779,12 +1779,14 @@ def beam_search(model, input_ids, logits_processor, stopping_criteria, generatio
     device = input_ids.device
     n_eos_tokens = eos_token_id.shape[0] if eos_token_id is not None else 0
     beams_to_keep = max(2, 1 + n_eos_tokens) * num_beams
-    # (the library reads the log-probabilities in host memory: the CPU's)
-    native = beams_library() is not None and input_ids.device.type == "cpu"
-    if native and limits_only(stopping_criteria):
-        native = batch_size == 1 or sources_can_leave(logits_processor, stopping_criteria)
-    else:
-        native = False
+    # The library's bookkeeping (it reads the log-probabilities in host memory: the CPU's), for one source or for
+    # sources that can leave the processors as they finish
+    native = (
+        beams_library() is not None
+        and input_ids.device.type == "cpu"
+        and limits_only(stopping_criteria)
+        and (batch_size == 1 or sources_can_leave(logits_processor, stopping_criteria))
+    )
     if native or one_source_applies(batch_size, stopping_criteria):
         session = open_session(model, model_kwargs, input_ids, max_length, rows_per_source=num_beams)
         search = native_search if native else one_source_search
