@@ -27,7 +27,7 @@ from test_modeling import batch, tiny_model
 from vaswani_tx import compile_step, compiled_decoding, fast_decoding, int8_rows, one_source_beams, quantization
 from vaswani_tx.cli import main
 from vaswani_tx.compile_step import compile_decoder_step
-from vaswani_tx.compiled_decoding import ENCODER_FOLDER, FOLDER, MANIFEST, PACKAGE
+from vaswani_tx.compiled_decoding import ENCODER_FOLDER, FOLDER, MANIFEST, PACKAGE, native_folder
 from vaswani_tx.errors import UserInputError
 from vaswani_tx.modeling_vaswani import VaswaniForConditionalGeneration
 from vaswani_tx.precision import bf16_is_fast
@@ -39,7 +39,11 @@ def compiled_folder(tmp_path_factory):
     folder = tmp_path_factory.mktemp("compiled-model")
     eos_prone_model(seed=0).save_pretrained(folder)
     # two processes (`compiled_apart`) on any machine: every test of the steps below tests that path too
+    saved = sorted(path.name for path in folder.iterdir())
     assert main(["compile", str(folder), "--jobs", "2"]) == 0
+    # into the per-user cache (keyed by the package, torch, the CPU and the weights), never the model folder
+    assert sorted(path.name for path in folder.iterdir()) == saved
+    assert native_folder(folder).parent == compiled_decoding.cache_root() / "models"
     return folder
 
 
@@ -117,7 +121,7 @@ def test_the_compiled_step_gives_the_eager_and_transformers_ids(compiled_folder,
 def test_compile_builds_the_beam_search_library_and_from_pretrained_loads_it(compiled_folder):
     """`vaswani-tx compile` builds one_source_beams.py's library into the folder; a model loaded from the folder in a
     fresh process loads it, and a sentence a call decodes through it (`native_search`) to the Python loop's ids."""
-    assert (compiled_folder / one_source_beams.FOLDER / one_source_beams.LIBRARY).is_file()
+    assert (native_folder(compiled_folder) / one_source_beams.FOLDER / one_source_beams.LIBRARY).is_file()
     code = """if True:
         import sys, torch
         from test_modeling import batch
@@ -276,7 +280,7 @@ def test_calls_of_a_few_rows_decode_through_the_few_rows_step(compiled_folder, f
     rows (sources x beams) and gives the eager ids; calls of more rows go through the other step. Where the
     beam-search library loaded, the library's step does its work on the model's own weights (`RowsDecoder`), and its
     copy of the weights is not loaded."""
-    few = compiled_folder / compiled_decoding.FEW_ROWS_FOLDER
+    few = native_folder(compiled_folder) / compiled_decoding.FEW_ROWS_FOLDER
     manifest = json.loads((few / MANIFEST).read_text())
     assert (
         manifest["few_rows"] == compiled_decoding.FEW_ROWS_MAX and (few / compiled_decoding.FEW_ROWS_WEIGHTS).is_file()
@@ -645,7 +649,7 @@ def test_one_source_a_call_is_encoded_by_the_compiled_encoder(compiled_folder, e
             "__call__",
             lambda self, ids: encoder_calls.append(tuple(ids.shape)) or original(self, ids),
         )
-    encoder_folder = compiled_folder / compiled_decoding.ENCODER_FOLDER
+    encoder_folder = native_folder(compiled_folder) / compiled_decoding.ENCODER_FOLDER
     manifest = json.loads((encoder_folder / MANIFEST).read_text())
     assert manifest["part"] == "encoder" and (encoder_folder / compiled_decoding.FEW_ROWS_WEIGHTS).is_file()
     assert_holds_no_weights(encoder_folder / PACKAGE)
@@ -688,8 +692,8 @@ def test_the_compiled_encoders_products_are_the_cpus_gemm_librarys(compiled_fold
         pytest.skip("torch without oneDNN's inner product")
     model = VaswaniForConditionalGeneration.from_pretrained(compiled_folder)
     model.save_pretrained(tmp_path)
-    compile_step.compile_encoder(model, tmp_path)
-    encoder_folder = tmp_path / ENCODER_FOLDER
+    compile_step.compile_encoder(model, native_folder(tmp_path))
+    encoder_folder = native_folder(tmp_path) / ENCODER_FOLDER
     manifest = json.loads((encoder_folder / MANIFEST).read_text())
     assert manifest["gemm"] == gemm and manifest["weights_packed"] is (gemm == "onednn")
     assert_holds_no_weights(encoder_folder / PACKAGE)
@@ -809,9 +813,10 @@ def test_what_the_compiled_encoder_does_not_cover_is_encoded_eagerly(compiled_fo
     [
         (lambda folder: edit_manifest(folder, ENCODER_FOLDER, torch="2.0.0"), "made with torch 2.0.0"),
         (lambda folder: edit_manifest(folder, ENCODER_FOLDER, weights="00000000"), "made for other weights"),
-        (lambda folder: truncate(folder / ENCODER_FOLDER / PACKAGE), "cannot be loaded"),
+        (lambda folder: truncate(native_folder(folder) / ENCODER_FOLDER / PACKAGE), "not the one built"),
+        (lambda folder: flip_a_byte(native_folder(folder) / ENCODER_FOLDER / PACKAGE), "not the one built"),
     ],
-    ids=["other-torch", "other-weights", "truncated"],
+    ids=["other-torch", "other-weights", "truncated", "changed-bytes"],
 )
 def test_a_compiled_encoder_that_does_not_fit_is_one_line_and_the_eager_encoder(
     compiled_folder, tmp_path, caplog, encoder_calls, damage, message
@@ -832,6 +837,13 @@ def test_a_compiled_encoder_that_does_not_fit_is_one_line_and_the_eager_encoder(
 
 def truncate(path: Path) -> None:
     path.write_bytes(path.read_bytes()[:5000])
+
+
+def flip_a_byte(path: Path) -> None:
+    """The same size, one byte changed in the middle (a corrupt copy that a size check would take)."""
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
 
 
 def assert_holds_no_weights(package_path):
@@ -889,13 +901,13 @@ def test_the_few_rows_step_serves_only_the_weights_it_was_compiled_from(
     # (the library's step reads the model's own weights, not the copy: set aside for the copy's cases)
     without_rows_decoder(monkeypatch)
     folder = copy_of(compiled_folder, tmp_path)
-    weights = folder / compiled_decoding.FEW_ROWS_FOLDER / compiled_decoding.FEW_ROWS_WEIGHTS
+    weights = native_folder(folder) / compiled_decoding.FEW_ROWS_FOLDER / compiled_decoding.FEW_ROWS_WEIGHTS
     weights.write_bytes(weights.read_bytes()[:1000])
     damaged = VaswaniForConditionalGeneration.from_pretrained(folder)
     few_rows_calls.clear()
     assert torch.equal(damaged.generate(**kwargs), eager_twin(compiled_folder).generate(**kwargs))
     assert few_rows_calls and not any(few_rows_calls) and damaged._compiled_steps["few_rows"] is None
-    shutil.rmtree(folder / compiled_decoding.FEW_ROWS_FOLDER)
+    shutil.rmtree(native_folder(folder) / compiled_decoding.FEW_ROWS_FOLDER)
     plain = VaswaniForConditionalGeneration.from_pretrained(folder)
     few_rows_calls.clear()
     plain.generate(**kwargs)
@@ -995,7 +1007,7 @@ def test_the_int8_step_gives_the_eager_int8_ids(compiled_folder, settings, steps
     """`vaswani-tx compile` also compiles the int8 model's step (`compiled-int8`), which calls the model's own int8
     layers (`vaswani_tx::int8_linear`) from the compiled attention, norms and residuals: `quantize_int8` (and so
     `translate --int8`) loads it, in place or on a copy, and it decodes what the eager int8 path decodes."""
-    assert (compiled_folder / compiled_decoding.INT8_FOLDER / PACKAGE).is_file()
+    assert (native_folder(compiled_folder) / compiled_decoding.INT8_FOLDER / PACKAGE).is_file()
     model, eager = int8_twins(compiled_folder)
     assert model._compiled_step.manifest["precision"] == "int8"
     in_place = VaswaniForConditionalGeneration.from_pretrained(compiled_folder)
@@ -1043,7 +1055,7 @@ def test_the_int8_step_follows_the_models_int8_layers(compiled_folder, tmp_path,
     )
     assert steps
     folder = copy_of(compiled_folder, tmp_path)
-    path = folder / compiled_decoding.INT8_FOLDER / MANIFEST
+    path = native_folder(folder) / compiled_decoding.INT8_FOLDER / MANIFEST
     manifest = json.loads(path.read_text())
     manifest["int8_layers"] = manifest["int8_layers"][1:]
     path.write_text(json.dumps(manifest))
@@ -1055,7 +1067,7 @@ def test_the_int8_step_follows_the_models_int8_layers(compiled_folder, tmp_path,
     assert torch.equal(
         refused.generate(input_ids=ids, attention_mask=mask), eager.generate(input_ids=ids, attention_mask=mask)
     )
-    shutil.rmtree(folder / FOLDER)
+    shutil.rmtree(native_folder(folder) / FOLDER)
     assert VaswaniForConditionalGeneration.from_pretrained(folder)._compiled_step is None
 
 
@@ -1066,8 +1078,8 @@ def test_int8_calls_of_a_few_rows_decode_through_the_kernels_step(compiled_folde
     `FEW_ROWS_MAX_INT8` rows decodes through it (one source, greedy and beam 6; four sources, beam 4), with the eager
     int8 path's ids, whose layers take the same kernel at those rows; a call of more rows through the other int8
     step. A layer's kernel buffers are not among the weights a step's fingerprint covers."""
-    assert (compiled_folder / int8_rows.FOLDER / int8_rows.LIBRARY).is_file()
-    assert (compiled_folder / compiled_decoding.FEW_ROWS_INT8_FOLDER / PACKAGE).is_file()
+    assert (native_folder(compiled_folder) / int8_rows.FOLDER / int8_rows.LIBRARY).is_file()
+    assert (native_folder(compiled_folder) / compiled_decoding.FEW_ROWS_INT8_FOLDER / PACKAGE).is_file()
     model, eager = int8_twins(compiled_folder)
     assert all("rows_packed" in module._buffers for _, module in compiled_decoding.int8_layers(model))
     kernel_steps = []
@@ -1177,7 +1189,7 @@ def test_a_bfloat16_model_decodes_through_the_bfloat16_step(compiled_folder, tmp
         assert torch.equal(model.generate(**kwargs), eager.generate(**kwargs))
     assert steps
     folder = copy_of(compiled_folder, tmp_path)
-    shutil.rmtree(folder / compiled_decoding.BF16_FOLDER)
+    shutil.rmtree(native_folder(folder) / compiled_decoding.BF16_FOLDER)
     with caplog.at_level(logging.WARNING, logger="vaswani_tx.compiled_decoding"):
         assert VaswaniForConditionalGeneration.from_pretrained(folder, dtype=torch.bfloat16)._compiled_step is None
     notes = [r.getMessage() for r in caplog.records if r.name == "vaswani_tx.compiled_decoding"]
@@ -1190,7 +1202,7 @@ def test_a_bfloat16_models_calls_of_a_few_rows_decode_through_its_few_rows_step(
     its weights packed in bfloat16, apart from its package), which decodes that model's calls of up to
     `FEW_ROWS_MAX_BF16` rows (loaded at the first), the rest going through the bfloat16 step. On this tiny model it
     gives the eager bfloat16 path's ids. A float32 model never loads it, nor a bfloat16 one the float32 one's."""
-    few = compiled_folder / compiled_decoding.FEW_ROWS_BF16_FOLDER
+    few = native_folder(compiled_folder) / compiled_decoding.FEW_ROWS_BF16_FOLDER
     manifest = json.loads((few / MANIFEST).read_text())
     assert manifest["precision"] == "bfloat16" and manifest["few_rows"] == compiled_decoding.FEW_ROWS_MAX_BF16
     assert (few / compiled_decoding.FEW_ROWS_WEIGHTS).is_file()
@@ -1240,7 +1252,7 @@ def test_a_model_converted_after_loading_decodes_through_the_step_for_its_new_dt
     assert loads.count(None) == 1  # the bfloat16 step, once; the float32 one was loaded by from_pretrained
 
     folder = copy_of(compiled_folder, tmp_path)
-    shutil.rmtree(folder / compiled_decoding.BF16_FOLDER)
+    shutil.rmtree(native_folder(folder) / compiled_decoding.BF16_FOLDER)
     model = VaswaniForConditionalGeneration.from_pretrained(folder).to(torch.bfloat16)
     # (the float32 model converted back above refused its few-rows step, whose weights those rounded ones are not)
     caplog.clear()
@@ -1273,7 +1285,7 @@ def test_a_pickled_model_loads_its_step_again_or_decodes_eagerly(compiled_folder
     torch.save(model, tmp_path / "whole.pt")
     loaded = torch.load(tmp_path / "whole.pt", weights_only=False)
     assert torch.equal(loaded.generate(input_ids=ids, attention_mask=mask), expected) and steps
-    shutil.rmtree(tmp_path / "model" / FOLDER)
+    shutil.rmtree(native_folder(tmp_path / "model") / FOLDER)
     steps.clear()
     with caplog.at_level(logging.WARNING):
         gone = torch.load(tmp_path / "whole.pt", weights_only=False)
@@ -1282,13 +1294,25 @@ def test_a_pickled_model_loads_its_step_again_or_decodes_eagerly(compiled_folder
 
 
 def copy_of(folder, tmp_path):
+    """A copy of `folder` and of the per-user cache (its compiled steps are kept there, `native_folder`), which this
+    test may damage: the test's own cache from here on (`own_cache` restores the module's)."""
     target = tmp_path / "model"
     shutil.copytree(folder, target)
+    shutil.copytree(compiled_decoding.cache_root(), tmp_path / "cache")
+    os.environ["VASWANI_TX_CACHE"] = str(tmp_path / "cache")
     return target
 
 
+@pytest.fixture(autouse=True)
+def own_cache():
+    """Each test's changes to the cache's place (`copy_of`) end with it."""
+    before = os.environ.get("VASWANI_TX_CACHE")
+    yield
+    os.environ["VASWANI_TX_CACHE"] = before
+
+
 def edit_manifest(folder, part: str = FOLDER, **changes):
-    path = folder / part / MANIFEST
+    path = native_folder(folder) / part / MANIFEST
     manifest = json.loads(path.read_text())
     manifest.update(changes)
     path.write_text(json.dumps(manifest))
@@ -1300,11 +1324,12 @@ def edit_manifest(folder, part: str = FOLDER, **changes):
         (lambda f: edit_manifest(f, torch="2.0.0"), "made with torch 2.0.0"),
         (lambda f: edit_manifest(f, cpu_capability="NO AVX"), "made for a CPU with NO AVX"),
         (lambda f: edit_manifest(f, gemm="elsewhere"), "its products are elsewhere's"),
-        (lambda f: eos_prone_model(seed=9).save_pretrained(f), "made for other weights"),
-        (lambda f: (f / FOLDER / PACKAGE).write_bytes((f / FOLDER / PACKAGE).read_bytes()[:5000]), "cannot be loaded"),
-        (lambda f: (f / FOLDER / MANIFEST).write_text("{"), "manifest cannot be read"),
+        (lambda f: edit_manifest(f, weights="00000000"), "made for other weights"),
+        (lambda f: truncate(native_folder(f) / FOLDER / PACKAGE), "not the one built"),
+        (lambda f: flip_a_byte(native_folder(f) / FOLDER / PACKAGE), "not the one built"),
+        (lambda f: (native_folder(f) / FOLDER / MANIFEST).write_text("{"), "manifest cannot be read"),
     ],
-    ids=["other-torch", "other-cpu", "other-gemm", "other-weights", "truncated", "corrupt-manifest"],
+    ids=["other-torch", "other-cpu", "other-gemm", "other-weights", "truncated", "changed-bytes", "corrupt-manifest"],
 )
 def test_an_artifact_that_does_not_fit_is_one_line_and_the_eager_path(
     compiled_folder, tmp_path, caplog, damage, message
@@ -1335,8 +1360,8 @@ def test_the_other_gemm_librarys_step(tmp_path, monkeypatch, caplog):
     folder = tmp_path / "model"
     eos_prone_model(seed=2).save_pretrained(folder)
     monkeypatch.setenv(compiled_decoding.GEMM_VARIABLE, other)
-    compile_decoder_step(VaswaniForConditionalGeneration.from_pretrained(folder), folder)
-    assert json.loads((folder / FOLDER / MANIFEST).read_text())["gemm"] == other
+    compile_decoder_step(VaswaniForConditionalGeneration.from_pretrained(folder), native_folder(folder))
+    assert json.loads((native_folder(folder) / FOLDER / MANIFEST).read_text())["gemm"] == other
     model = VaswaniForConditionalGeneration.from_pretrained(folder)
     eager = eager_twin(folder)
     ran = []

@@ -16,6 +16,7 @@ from torch import nn
 
 from test_fast_decoding import screen_model
 from vaswani_tx import fast_decoding, int8_rows
+from vaswani_tx.compiled_decoding import native_folder
 from vaswani_tx.errors import UserInputError
 from vaswani_tx.modeling_vaswani import VaswaniForConditionalGeneration
 from vaswani_tx.quantization import Int8Linear, quantize_int8
@@ -110,7 +111,7 @@ def test_int8_layers_take_the_kernel_up_to_few_rows_and_their_own_kernel_past_th
     `FEW_ROWS` on either."""
     model = VaswaniForConditionalGeneration(_tiny_config())
     model.save_pretrained(tmp_path / "model")
-    shutil.copytree(kernel_folder / int8_rows.FOLDER, tmp_path / "model" / int8_rows.FOLDER)
+    shutil.copytree(kernel_folder / int8_rows.FOLDER, native_folder(tmp_path / "model") / int8_rows.FOLDER)
     monkeypatch.setattr(int8_rows, "LARGE_LAYER", 40 * 32 - 1)  # the tiny model's pre-softmax projection (32 -> 40)
     monkeypatch.setattr(int8_rows, "cpu_bf16_instructions", lambda: instructions)
     quantized = quantize_int8(VaswaniForConditionalGeneration.from_pretrained(tmp_path / "model"))

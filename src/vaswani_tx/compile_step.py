@@ -29,12 +29,14 @@ from .compiled_decoding import (
     PRECISIONS,
     TABLE,
     architecture_fingerprint,
+    file_sha256,
     gemm_backend,
     has_rows_kernel,
     int8_layers,
     int8_operator,
     int8_signature,
     machine,
+    native_folder,
     precision,
     step_tensors,
     weights_fingerprint,
@@ -230,6 +232,11 @@ def compile_decoder_steps(
         UserInputError: a step that cannot be compiled here (no C++ compiler: `compile_decoder_step`)."""
     from .precision import bf16_is_fast
 
+    # into the per-user cache, never the model's folder (from which nothing native is ever loaded: `native_folder`)
+    folder = native_folder(folder)
+    if folder is None:
+        raise UserInputError("no weights to compile for: the model folder has no .safetensors or .bin file")
+    folder.mkdir(parents=True, exist_ok=True)
     parts = [
         part
         for part in PART_SECONDS
@@ -530,7 +537,7 @@ def compile_decoder_step(model: nn.Module, folder: str | os.PathLike, few_rows: 
             runner = torch._inductor.aoti_load_package(package)
             constants = {name: (name if name in known else TABLE) for name in runner.get_constant_fqns()}
         manifest = {
-            **library_manifest(model, rows, table, constants, kind),
+            **library_manifest(model, rows, table, constants, kind, out),
             **({"int8_layers": int8_signature(model)} if int8 else {}),
             **({"few_rows": FEW_ROWS_MAXIMA[kind]} if packed else {}),
             **({"rows_kernel": int8_rows.source_digest(), "rows": FEW_ROWS_MAXIMA[kind]} if rows_kernel else {}),
@@ -576,7 +583,7 @@ def compile_encoder(model: nn.Module, folder: str | os.PathLike) -> Path:
         configs = {**encoder_configs(packed), "aot_inductor.package_constants_in_so": False}
         package = Path(_aoti_compiled(program, out, configs, "the encoder"))
         constants = _weights_apart(package, known, out / FEW_ROWS_WEIGHTS)
-        manifest = {**library_manifest(model, rows, table, constants, "float32"), "part": "encoder"}
+        manifest = {**library_manifest(model, rows, table, constants, "float32", out), "part": "encoder"}
         manifest["weights_packed"] = packed
         (out / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n", encoding="utf-8")
     return Path(folder) / ENCODER_FOLDER
@@ -624,10 +631,14 @@ def packed_configs(backends: str) -> dict:
     }
 
 
-def library_manifest(model: nn.Module, rows: int, table: torch.Tensor | None, constants: dict, kind: str) -> dict:
+def library_manifest(
+    model: nn.Module, rows: int, table: torch.Tensor | None, constants: dict, kind: str, out: Path
+) -> dict:
     """What a compiled library's manifest says in every case: what it was made for (torch, CPU, GEMM library,
-    architecture, weights, precision), the positions it encodes, and where each of its tensors comes from."""
+    architecture, weights, precision), the positions it encodes, where each of its tensors comes from, and the
+    sha256 of each file in `out` (checked before loading: `compiled_decoding._changed_files`)."""
     return {
+        "files": {path.name: file_sha256(path) for path in sorted(out.iterdir()) if path.is_file()},
         "format": FORMAT,
         **machine(),
         "architecture": architecture_fingerprint(model.config),

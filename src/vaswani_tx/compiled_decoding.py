@@ -956,6 +956,8 @@ def _loaded(model: nn.Module, where: Path, folder: str | os.PathLike, kind: type
         problem = _mismatch(manifest, model, here)
     except (ValueError, KeyError, TypeError, OSError) as error:
         problem = f"its manifest cannot be read ({error})"
+    if problem is None:
+        problem = _changed_files(where, manifest)
     if problem is None and manifest.get("rows_kernel") and not has_rows_kernel(model):
         return None  # the kernel's folder said why the model does not take it (int8_rows.load), or has none
     if problem is None:
@@ -966,9 +968,23 @@ def _loaded(model: nn.Module, where: Path, folder: str | os.PathLike, kind: type
         except Exception as error:  # a truncated or foreign library: torch says so in many ways
             problem = f"it cannot be loaded ({_first_line(error)})"
     logger.warning(
-        "%s: not using the compiled %s: %s; %s eagerly (same results; `vaswani-tx compile %s` makes a new one)",
-        where, kind.what, problem, kind.instead, folder,
+        "%s: not using the compiled %s: %s; %s eagerly (same results; `vaswani-tx compile MODEL` makes a new one)",
+        where, kind.what, problem, kind.instead,
     )  # fmt: skip
+    return None
+
+
+def _changed_files(where: Path, manifest: dict) -> str | None:
+    """Why the files of a compiled step are not those `vaswani-tx compile` wrote (their sha256 in the manifest,
+    `files`), in words; None where they are. A truncated or changed shared library can end the process (SIGBUS)
+    where no exception can be caught, so nothing is loaded before this check."""
+    files = manifest.get("files")
+    if not isinstance(files, dict) or PACKAGE not in files:
+        return "its manifest lists no digests of its files (made by an older version)"
+    for name, digest in files.items():
+        path = where / name
+        if not path.is_file() or file_sha256(path) != digest:
+            return f"its {name} is not the one built (truncated or changed since)"
     return None
 
 
@@ -1013,15 +1029,49 @@ def _first_line(error: BaseException) -> str:
     return text[0][:200] if text else type(error).__name__
 
 
+def cache_root() -> Path:
+    """The per-user cache of what `vaswani-tx compile` builds: $VASWANI_TX_CACHE, else $XDG_CACHE_HOME/vaswani_tx
+    (~/.cache by default). Only this package writes there, from its own sources, on this machine."""
+    if os.environ.get("VASWANI_TX_CACHE"):
+        return Path(os.environ["VASWANI_TX_CACHE"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "vaswani_tx"
+
+
+def native_folder(folder: str | os.PathLike) -> Path | None:
+    """Where the compiled steps and libraries of the model saved in `folder` are kept: a folder of the per-user cache
+    (`cache_root`/models), keyed by this package's version, torch, the CPU's instruction set and a CRC of the folder's weight files. Never the model folder itself: a downloaded folder is data, and the hub's
+    promise is that data runs no code, so nothing native is ever loaded from it (a planted `compiled/*.pt2` or
+    `beam-search/*.so` is ignored). None for a copy of this file that travels with saved weights (remote code
+    loads no native code at all)."""
+    if not __name__.startswith("vaswani_tx."):
+        return None
+    from vaswani_tx import __version__
+
+    crc, files = 0, sorted([*Path(folder).glob("*.safetensors"), *Path(folder).glob("*.bin")])
+    if not files:
+        return None
+    for path in files:
+        crc = zlib.crc32(f"{path.name}:{path.stat().st_size}".encode(), crc)
+        with open(path, "rb") as handle, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as data:
+            crc = zlib.crc32(data, crc)
+    # (the GEMM library chosen is the manifest's to check: a step made for the other one says so in one line)
+    key = f"{__version__}-torch{torch.__version__}-{cpu_capability()}-{crc:08x}"
+    return cache_root() / "models" / key.replace("+", "_").replace("/", "_")
+
+
 def attach(model: nn.Module, folder: str | os.PathLike) -> None:
-    """Load `folder`'s compiled step for `model` (from_pretrained calls this, and `quantize_int8` again for the int8
-    step), where there is one and it fits. The folder is kept, so that a model converted later (`.to(torch.bfloat16)`,
-    `.float()`) gets the step for its new dtype (`step_for_dtype`)."""
-    found = Path(folder).is_dir()
+    """Load the compiled step that `vaswani-tx compile` built for `folder`'s weights (`native_folder`, in the
+    per-user cache; never from `folder` itself) for `model` (from_pretrained calls this, and `quantize_int8` again for
+    the int8 step), where there is one and it fits. The cache folder is kept, so that a model converted later
+    (`.to(torch.bfloat16)`, `.float()`) gets the step for its new dtype (`step_for_dtype`)."""
+    where = folder if getattr(model, "_compiled_folder", None) == str(folder) else None
+    if where is None and (cache_root() / "models").is_dir() and Path(folder).is_dir():
+        where = native_folder(folder)
+    found = where is not None and Path(where).is_dir()
     if found:  # beam search's bookkeeping in C++, where `vaswani-tx compile` built it: first, as the float32 batched
-        load_beams_library(folder)  # step's work may be its step's (`CompiledStep.batched_on_library`)
-    model._compiled_step = load_compiled_step(model, folder) if found else None
-    model._compiled_folder = str(folder) if found else None
+        load_beams_library(where)  # step's work may be its step's (`CompiledStep.batched_on_library`)
+    model._compiled_step = load_compiled_step(model, where) if found else None
+    model._compiled_folder = str(where) if found else None
     model._compiled_steps = {precision(model): model._compiled_step}  # the steps loaded so far, by precision
     model._compiled_for = next(model.parameters()).dtype
 
@@ -1223,7 +1273,7 @@ def load_rows_kernel(folder: str | os.PathLike, quiet: bool = False) -> bool:
             return x.new_empty(*x.shape[:-1], out_features)
 
     if problem is None and not _rows_kernel_loaded:
-        problem = load_checked(manifest, kernels / ROWS_KERNEL_LIBRARY, load_operators, digest_required=False)
+        problem = load_checked(manifest, kernels / ROWS_KERNEL_LIBRARY, load_operators)
     if problem is not None:
         (logger.debug if quiet else logger.warning)(
             "%s: not using the int8 few-rows kernel: %s; fbgemm's kernel instead", kernels, problem

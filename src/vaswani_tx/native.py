@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from .atomic import atomic_folder
-from .compiled_decoding import MANIFEST, file_sha256
+from .compiled_decoding import MANIFEST, cache_root, file_sha256
 from .errors import UserInputError
 
 
@@ -92,8 +92,6 @@ def compile_library(
 
 
 def cache_folder() -> Path:
-    """Where built libraries are kept for the next build of the same: $VASWANI_TX_CACHE, else
-    $XDG_CACHE_HOME/vaswani_tx/libraries (~/.cache by default)."""
-    if os.environ.get("VASWANI_TX_CACHE"):
-        return Path(os.environ["VASWANI_TX_CACHE"])
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "vaswani_tx" / "libraries"
+    """Where built libraries are kept for the next build of the same: the per-user cache's `libraries`
+    (`compiled_decoding.cache_root`: $VASWANI_TX_CACHE, else $XDG_CACHE_HOME/vaswani_tx)."""
+    return cache_root() / "libraries"
