@@ -11,13 +11,10 @@ Measured, each in a fresh process with warm-up excluded:
   32 tokens per side; tokens = non-pad source + target tokens; plain cross-entropy for both; ours
   also with `skip_padding=False` ("ours-full"), which computes the padded positions as Marian does;
 - decoding tokens/s: greedy and beam 4 at batch 1 and 32 (`--batches`), exactly `--new-tokens` new tokens per
-  sentence (min = max), for ours (the default path: fast_decoding.py's loops with the decoding step that
-  `vaswani-tx compile` wrote into the model's folder), "ours-eager" (the same loops, no compiled step), "ours-hf" (transformers' own loops,
-  `fast_decoding=False`, the default before issue 29), "ours-bf16" (`--dtype auto`: bfloat16 where the CPU has
-  bf16 instructions), MarianMT, ours with int8 linears (`quantize_int8`), and
-  CTranslate2 fed with each model (ours through `export_ct2`, Marian through CTranslate2's own
-  Marian loader), float32 and int8; "ours-static" is ours with `cache_implementation="static"`, whose
-  decoding step is compiled during the warm-up run (its time is recorded as `warmup_s`);
+  sentence (min = max), for ours (the default path: `generate()` served by the engine, vaswani_tx.engine),
+  "ours-hf" (transformers' own loops, `use_engine=False`), "ours-bf16" (`--dtype auto`: bfloat16 where the CPU has
+  bf16 instructions), "ours-int8" (the engine's int8 step), MarianMT, and CTranslate2 fed with each model (ours
+  through `export_ct2`, Marian through CTranslate2's own Marian loader), float32 and int8;
 - peak memory: the process' peak resident set size (model loaded, then the runs);
 - a fresh process' first call: the model's load time ("load s") and its first `generate` / `translate_batch`
   call ("1st s", the warm-up run of `--new-tokens` tokens), each measurement being a new process.
@@ -86,13 +83,6 @@ def build_models(root: Path) -> dict[str, Path]:
     ).save_pretrained(paths["ours"])
     export_ct2(paths["ours"], paths["ct2-ours"])
     export_ct2(paths["ours"], paths["ct2-ours-int8"], quantization="int8")
-    # `vaswani-tx compile`: the folder's compiled decoding steps, which "ours" (the default path), "ours-int8"
-    # (`quantize_int8`) and "ours-bf16" (loaded in bfloat16) then load.
-    from vaswani_tx.compile_step import compile_decoder_steps
-
-    for _ in compile_decoder_steps(ours, paths["ours"]):  # the bfloat16 step where --dtype auto picks bfloat16
-        pass
-
     marian = MarianMTModel(marian_config(MarianConfig)).eval()
     marian.save_pretrained(paths["marian"])
     for name, quantization in (("ct2-marian", None), ("ct2-marian-int8", "int8")):
@@ -189,14 +179,7 @@ def load_torch_model(kind: str, paths: dict[str, str], train: bool):
 
             kwargs["dtype"] = decoding_dtype("auto")
         model = VaswaniForConditionalGeneration.from_pretrained(paths["ours"], **kwargs)
-        if kind == "ours-eager":  # the default path without the compiled step (a folder never compiled)
-            model._compiled_step = None
-    model.train(train)
-    if kind == "ours-int8":
-        from vaswani_tx.quantization import quantize_int8
-
-        model = quantize_int8(model, inplace=True)
-    return model
+    return model.train(train)
 
 
 def measure_training(job: dict, paths: dict[str, str]) -> list[float]:
@@ -249,10 +232,13 @@ def measure_decoding(job: dict, paths: dict[str, str]) -> list[float]:
         mask = (source != PAD).long()
         source = pad_for(job["model"], source)
 
-        # ours-static: a static cache, and the decoding step compiled for it (compiled in the warm-up run).
-        extra = {"cache_implementation": "static"} if job["model"] == "ours-static" else {}
-        if job["model"] == "ours-hf":  # transformers' own greedy and beam search loops: the default before issue 29
-            extra = {"fast_decoding": False}
+        extra = {}
+        if job["model"] == "ours-hf":  # transformers' own greedy and beam search loops
+            extra = {"use_engine": False}
+        if job["model"] == "ours-int8":  # the engine's int8 step, made once (the weights quantized)
+            from vaswani_tx.engine import Translator
+
+            extra = {"translator": Translator(model, compute_type="int8")}
 
         def decode():
             with torch.inference_mode():
@@ -269,7 +255,7 @@ def measure_decoding(job: dict, paths: dict[str, str]) -> list[float]:
 
     start = time.perf_counter()
     job["load_s"] = round(start - loading, 2)
-    decode()  # warm-up: a fresh process' first call (for ours-static, its compilation)
+    decode()  # warm-up: a fresh process' first call
     job["warmup_s"] = round(time.perf_counter() - start, 2)
     speeds = []
     for _ in range(job["repeats"]):
@@ -334,8 +320,6 @@ def machine(threads: int) -> dict:
     import torch
     import transformers
 
-    from vaswani_tx.compiled_decoding import gemm_backend
-
     cpu = platform.processor()
     with contextlib.suppress(OSError, StopIteration), open("/proc/cpuinfo") as cpuinfo:
         cpu = next(line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name"))
@@ -348,7 +332,6 @@ def machine(threads: int) -> dict:
         "transformers": transformers.__version__,
         "ctranslate2": ctranslate2.__version__,
         "python": platform.python_version(),
-        "gemm": gemm_backend(),  # whose float32 products the loops chose (oneMKL on Intel CPUs, oneDNN elsewhere)
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
     }
 
@@ -378,10 +361,8 @@ def plan(args) -> list[dict]:
 
 MODELS = (
     "ours",
-    "ours-eager",
     "ours-hf",
     "ours-full",
-    "ours-static",
     "marian",
     "ours-bf16",
     "ours-int8",
@@ -392,10 +373,8 @@ MODELS = (
 )
 RATIOS = {
     "ours": "ct2-ours",
-    "ours-eager": "ct2-ours",
     "ours-hf": "ct2-ours",
     "ours-full": "marian",
-    "ours-static": "ct2-ours",
     "marian": "ct2-ours",
     "ours-bf16": "ct2-ours-int8",
     "ours-int8": "ct2-ours-int8",

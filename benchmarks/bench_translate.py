@@ -10,8 +10,8 @@ job's domain, so its BLEU is low, but its sentences are long, which is what the 
 Implementations, each in a fresh process (nothing warm), each decoding with the model's saved settings
 (beam 4, alpha 0.6, source length + 50):
 - translate:       `Translator.translate` (what `vaswani-tx translate MODEL -i FILE` runs), float32, on the model
-                   saved afresh with its decoding step compiled (`vaswani-tx compile`: the default path then);
-- translate-eager: the same on the folder without a compiled step (the default path of a folder never compiled);
+                   saved afresh (the engine serves generate(): the default path);
+- translate-hf:    the same through transformers' own loops (`use_engine=False`): what the engine buys;
 - translate-auto:  the same with `--dtype auto` (bfloat16 where the CPU has bf16 instructions);
 - translate-int8:  the same with `--int8`;
 - pipeline:        `pipeline("translation", model=MODEL, trust_remote_code=True)` on the whole list: its own batching,
@@ -52,7 +52,7 @@ SETS = {
     "multi30k": ("multi30k-en-de/val.en", "multi30k-en-de/val.de"),
     "newstest2013": ("newstest2013-en-de/dev.en", "newstest2013-en-de/dev.de"),
 }
-IMPLEMENTATIONS = ("translate", "translate-eager", "translate-auto", "translate-int8", "pipeline", "ct2", "ct2-int8")
+IMPLEMENTATIONS = ("translate", "translate-hf", "translate-auto", "translate-int8", "pipeline", "ct2", "ct2-int8")
 
 
 def read_lines(path: Path, limit: int | None) -> list[str]:
@@ -79,9 +79,9 @@ def load(job: dict):
         from vaswani_tx.translation import load_translator
 
         dtype = "auto" if impl == "translate-auto" else None
-        folder = job["eager"] if impl == "translate-eager" else model
-        translator = load_translator(folder, device="cpu", dtype=dtype, int8=impl == "translate-int8")
-        job["compiled_step"] = getattr(translator.model, "_compiled_step", None) is not None
+        translator = load_translator(model, device="cpu", dtype=dtype, int8=impl == "translate-int8")
+        if impl == "translate-hf":
+            beams["use_engine"] = False
         return (lambda lines: translator.translate(lines, progress=False, **beams)), tokenizer
     if impl == "pipeline":
         from transformers import pipeline
@@ -142,7 +142,6 @@ def worker(job: dict) -> None:
                 "tokens_per_s": round(tokens / seconds, 1),
                 "bleu": round(sacrebleu.corpus_bleu(hypotheses, [references]).score, 2),
                 "peak_rss_mib": round(peak_rss_mib()),
-                "compiled_step": job.get("compiled_step"),
             }
         )
     )
@@ -164,24 +163,16 @@ def run_job(job: dict) -> dict:
 # ---- the run ------------------------------------------------------------------------------------------------
 
 
-def save_afresh(model_folder: str, tmp: Path) -> tuple[Path, Path]:
-    """The model saved with this tree's code (what `trust_remote_code` runs) twice: with its decoding steps
-    compiled (`vaswani-tx compile`: the float32 model's, the int8 model's and, where bf16 is fast, the bfloat16
-    model's) and without."""
+def save_afresh(model_folder: str, tmp: Path) -> Path:
+    """The model saved with this tree's code (what `trust_remote_code` runs: the pipeline's)."""
     from transformers import AutoTokenizer
 
-    from vaswani_tx.compile_step import compile_decoder_steps
     from vaswani_tx.modeling_vaswani import VaswaniForConditionalGeneration
 
-    model = VaswaniForConditionalGeneration.from_pretrained(model_folder)
-    tokenizer = AutoTokenizer.from_pretrained(model_folder)
-    folders = tmp / "compiled", tmp / "eager"
-    for folder in folders:
-        model.save_pretrained(folder)
-        tokenizer.save_pretrained(folder)
-    for _ in compile_decoder_steps(model, folders[0]):  # translate-auto's bfloat16 step where --dtype auto picks it
-        pass
-    return folders
+    folder = tmp / "model"
+    VaswaniForConditionalGeneration.from_pretrained(model_folder).save_pretrained(folder)
+    AutoTokenizer.from_pretrained(model_folder).save_pretrained(folder)
+    return folder
 
 
 def machine(threads: list[int]) -> dict:
@@ -227,7 +218,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         ct2 = Path(tmp) / "ct2"
         export_ct2(args.model, ct2)
-        compiled, eager = save_afresh(args.model, Path(tmp))
+        saved = save_afresh(args.model, Path(tmp))
         for name in args.sets:
             source, reference = (str(args.data / part) for part in SETS[name])
             for threads, round_ in ((t, r) for t in args.threads for r in range(args.rounds)):
@@ -236,8 +227,7 @@ def main() -> None:
                         impl=impl,
                         set=name,
                         threads=threads,
-                        model=str(compiled),
-                        eager=str(eager),
+                        model=str(saved),
                         ct2=str(ct2),
                         source=source,
                         reference=reference,
@@ -268,7 +258,7 @@ def print_ratios(rows: list[dict]) -> None:
     """Each implementation's sentences/s over CTranslate2's at the same precision, set and threads."""
     peer = {
         "translate": "ct2",
-        "translate-eager": "ct2",
+        "translate-hf": "ct2",
         "pipeline": "ct2",
         "translate-auto": "ct2-int8",
         "translate-int8": "ct2-int8",

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The README's main command: train the Multi30k EN-DE recipe on CPU from ../shared/data (under an hour
-# on 2 idle cores, measured in docs/training.md), average its last 30 checkpoints (Section 6.1), compile its decoding step
-# (20-60 s, docs/speed.md), score the averaged model on the whole val
+# on 2 idle cores, measured in docs/training.md), average its last 30 checkpoints (Section 6.1), score the averaged
+# model on the whole val
 # set with sacreBLEU (signature printed) and on val's held-aside half, and translate a few sentences.
 # Run it again after stopping it (Ctrl-C, or SIGINT / SIGTERM sent to this script: the running step stops too):
 # training resumes from the last checkpoint instead of starting over.
@@ -19,11 +19,6 @@ VX=.venv/bin/vaswani-tx
 source scripts/forward_signals.sh
 
 forwarding $VX train "$CONFIG" --resume "$@"   # ends by averaging the last 30 checkpoints into $RUN/averaged
-# Its float32 decoding step compiled ahead of time: later processes decode faster. The job decodes in float32 only;
-# `vaswani-tx compile MODEL` without the flags adds the int8 and bf16 models' steps and the few-rows step (a
-# sentence at a time: greedy or a small beam), about two minutes more; the job's decoding is in batches.
-forwarding $VX compile "$RUN/averaged" --no-int8 --no-bf16 --no-few-rows ||
-    echo "(no compiled decoding step: the model decodes eagerly, with the same translations)"
 echo "== val (all $(wc -l < "$DATA/val.en") sentences), averaged model, its saved decoding settings:"
 forwarding $VX evaluate "$RUN/averaged" --source "$DATA/val.en" --reference "$DATA/val.de" --output-dir "$RUN/averaged" \
     --force

@@ -15,28 +15,6 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 SHARED_DATA = Path(os.environ.get("VASWANI_SHARED_DATA", REPO_ROOT.parent / "shared" / "data"))
 
 
-@pytest.fixture(scope="session", autouse=True)
-def library_cache(tmp_path_factory):
-    """The C++ libraries tests build (`vaswani-tx compile`'s, native.py) are kept for this session, not in the
-    user's cache: each is built once a run, and the next test that builds it copies it."""
-    patch = pytest.MonkeyPatch()
-    patch.setenv("VASWANI_TX_CACHE", str(tmp_path_factory.mktemp("libraries")))
-    yield
-    patch.undo()
-
-
-@pytest.fixture(scope="session")
-def kernel_folder(tmp_path_factory):
-    """A folder holding the int8 few-rows kernel (int8_rows.py), built once a run and loaded into this process, where
-    the tests that ask for it run (a CPU with AVX512-VNNI and g++: they say so themselves)."""
-    from vaswani_tx import int8_rows
-
-    folder = tmp_path_factory.mktemp("kernel")
-    int8_rows.build(folder)
-    assert int8_rows.load(folder)
-    return folder
-
-
 @pytest.fixture(scope="session")
 def shared_data() -> Path:
     if not SHARED_DATA.is_dir():

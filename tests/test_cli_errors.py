@@ -234,13 +234,6 @@ def test_bad_input_is_refused_before_work_and_changes_nothing(command, ws, capsy
         _check(argv, words, ws, capsys)
 
 
-def test_a_gemm_library_that_does_not_exist_is_refused_before_work(ws, capsys, monkeypatch):
-    """VASWANI_TX_GEMM (whose float32 products the decoding loops use) names oneMKL or oneDNN, or auto."""
-    monkeypatch.setenv("VASWANI_TX_GEMM", "fastest")
-    for argv in (["translate", f"{ws}/model", "-i", f"{ws}/ok.txt"], ["compile", f"{ws}/model"]):
-        _check(argv, ["VASWANI_TX_GEMM='fastest'", "expected auto, mkl or onednn"], ws, capsys)
-
-
 def test_train_refuses_bad_numbers_and_a_held_folder(ws, tmp_path, capsys):
     for override, words in [
         ("max_steps=-5", ["max_steps=-5", "> 0"]),

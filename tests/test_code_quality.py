@@ -19,9 +19,6 @@ TRAVELLING = {
     "configuration_vaswani",
     "modeling_vaswani",
     "generation_vaswani",
-    "fast_decoding",  # the default greedy and beam search loops
-    "compiled_decoding",  # loads a folder's compiled decoding step
-    "static_decoding",
     "pipeline_vaswani",
     "tokenization_fairseq",  # converted fairseq and FSMT folders only
     "errors",  # the config and the model raise its UserInputError

@@ -2,9 +2,10 @@
 `trust_remote_code`, and then only Python).
 
 A downloaded folder can hold anything, manifests included: anyone can recompute their digests. So a library is
-planted in every place where `vaswani-tx compile` once wrote into the folder (beam-search/, kernels/, compiled*/),
-each with a manifest that fits this machine, and loading and translating the folder must never run it. The planted
-library writes a marker file as it is loaded (a constructor), so a test that loaded it would see the file.
+planted in every place where earlier versions kept native code in the folder (beam-search/, kernels/, compiled*/,
+each behind a manifest naming this torch and Python), and loading and translating the folder must never run it.
+The planted library writes a marker file as it is loaded (a constructor), so a test that loaded it would see the
+file.
 """
 
 from __future__ import annotations
@@ -20,8 +21,6 @@ from pathlib import Path
 
 import pytest
 
-from vaswani_tx import compiled_decoding
-
 PLANTED = r"""
 #include <stdio.h>
 #include <stdlib.h>
@@ -32,13 +31,23 @@ __attribute__((constructor)) static void planted(void) {
 }
 """
 
-STEP_FOLDERS = (
-    compiled_decoding.FOLDER,
-    compiled_decoding.INT8_FOLDER,
-    compiled_decoding.BF16_FOLDER,
-    *compiled_decoding.FEW_ROWS_FOLDERS.values(),
-    compiled_decoding.ENCODER_FOLDER,
-)
+# Where versions before 0.2 wrote native code into a model folder (`vaswani-tx compile`), with the library's name.
+PLACES = {
+    "beam-search": "vaswani_tx_beams.so",
+    "kernels": "int8_rows.so",
+    **{
+        folder: "decoder_step.pt2"
+        for folder in (
+            "compiled",
+            "compiled-int8",
+            "compiled-bf16",
+            "compiled-few",
+            "compiled-few-bf16",
+            "compiled-few-int8",
+            "compiled-encoder",
+        )  # fmt: skip
+    },
+}
 
 
 def sha256(path: Path) -> str:
@@ -58,32 +67,19 @@ def planted_library(tmp_path_factory) -> Path:
     return folder / "planted.so"
 
 
-def plant(folder: Path, library: Path, model) -> None:
+def plant(folder: Path, library: Path) -> None:
     """`library` in every place of `folder` that once held native code, behind a manifest that fits here."""
     import torch
 
-    from vaswani_tx.compile_step import library_manifest
-
-    beams = folder / compiled_decoding.BEAMS_FOLDER
-    beams.mkdir()
-    shutil.copyfile(library, beams / compiled_decoding.BEAMS_LIBRARY)
-    (beams / compiled_decoding.MANIFEST).write_text(
-        json.dumps({**compiled_decoding.beams_manifest(), "library": sha256(library)})
-    )
-    kernels = folder / compiled_decoding.ROWS_KERNEL_FOLDER
-    kernels.mkdir()
-    shutil.copyfile(library, kernels / compiled_decoding.ROWS_KERNEL_LIBRARY)
-    (kernels / compiled_decoding.MANIFEST).write_text(
-        json.dumps({**compiled_decoding.rows_kernel_manifest(), "library": sha256(library)})
-    )
-    for name in STEP_FOLDERS:  # an AOTInductor package is a zip whose shared library the loader extracts and opens
-        step = folder / name
-        step.mkdir()
-        with zipfile.ZipFile(step / compiled_decoding.PACKAGE, "w") as package:
-            package.write(library, "model/data/aotinductor/model/model.so")
-        manifest = library_manifest(model, model.config.max_position_embeddings, None, {}, "float32", step)
-        (step / compiled_decoding.MANIFEST).write_text(json.dumps(manifest))
-    assert torch.get_num_threads() >= 1
+    manifest = {"torch": torch.__version__, "python": sys.implementation.cache_tag, "library": sha256(library)}
+    for place, name in PLACES.items():
+        (folder / place).mkdir()
+        if name.endswith(".pt2"):  # an AOTInductor package: a zip whose shared library the loader opens
+            with zipfile.ZipFile(folder / place / name, "w") as package:
+                package.write(library, "model/data/aotinductor/model/model.so")
+        else:
+            shutil.copyfile(library, folder / place / name)
+        (folder / place / "manifest.json").write_text(json.dumps(manifest))
 
 
 def test_the_planted_library_runs_when_loaded(planted_library, tmp_path, monkeypatch):
@@ -99,27 +95,27 @@ def test_the_planted_library_runs_when_loaded(planted_library, tmp_path, monkeyp
 def test_loading_and_translating_a_folder_never_runs_a_library_planted_in_it(
     planted_library, tiny_translator, tmp_path
 ):
-    """from_pretrained with and without trust_remote_code, generate (greedy, beam), quantize_int8, and
+    """from_pretrained with and without trust_remote_code, generate (greedy, beam), the engine's int8 step, and
     `vaswani-tx translate` and `translate --int8`, each in a fresh process where nothing is loaded yet: the planted
     libraries are never loaded, and the model translates as it does from a clean folder."""
-    source, model, _ = tiny_translator
+    source, _, _ = tiny_translator
     folder = tmp_path / "model"
     shutil.copytree(source, folder)
-    plant(folder, planted_library, model)
+    plant(folder, planted_library)
     marker = tmp_path / "marker"
-    env = {**os.environ, "VASWANI_PLANTED_MARKER": str(marker), "VASWANI_TX_CACHE": str(tmp_path / "cache")}
+    env = {**os.environ, "VASWANI_PLANTED_MARKER": str(marker)}
     code = """
 import sys, torch
 from transformers import AutoModelForSeq2SeqLM
 from vaswani_tx import VaswaniForConditionalGeneration
-from vaswani_tx.quantization import quantize_int8
+from vaswani_tx.engine import Translator
 ids = torch.tensor([[5, 6, 7, 8, 3]])
 outs = []
 for kwargs in ({}, {"trust_remote_code": True}):
     model = AutoModelForSeq2SeqLM.from_pretrained(sys.argv[1], **kwargs)
     outs += [model.generate(input_ids=ids, num_beams=1, max_new_tokens=5), model.generate(input_ids=ids, num_beams=3, max_new_tokens=5)]
-int8 = quantize_int8(VaswaniForConditionalGeneration.from_pretrained(sys.argv[1]))
-outs.append(int8.generate(input_ids=ids, num_beams=2, max_new_tokens=5))
+int8 = Translator(VaswaniForConditionalGeneration.from_pretrained(sys.argv[1]), compute_type="int8")
+outs.append(int8.generate(ids, num_beams=2, max_new_tokens=5))
 print([out.tolist() for out in outs])
 """
     clean = tmp_path / "clean"

@@ -577,4 +577,4 @@ def test_the_main_script_passes_on_each_steps_exit_status_and_runs_every_step_th
     assert subprocess.run(["bash", "-c", script], capture_output=True, text=True).stdout.strip() == "3"
     lines = (REPO / "scripts" / "main.sh").read_text().splitlines()
     steps = [line for line in lines if "$VX " in line and not line.lstrip().startswith("#")]
-    assert len(steps) == 5 and all(line.startswith("forwarding $VX ") for line in steps)
+    assert len(steps) == 4 and all(line.startswith("forwarding $VX ") for line in steps)

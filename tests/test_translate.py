@@ -410,11 +410,9 @@ def test_evaluate_refuses_an_output_folder_named_like_a_hypothesis_file(tiny_tra
         assert not (tmp_path / name).exists()
 
 
-def test_int8_decoding_quantizes_the_linear_layers(tiny_translator, capsys):
-    from vaswani_tx.quantization import is_quantized_int8
-
+def test_int8_decoding_goes_through_the_engines_int8_step(tiny_translator, capsys):
     int8 = load_translator(tiny_translator[0], int8=True)
-    assert is_quantized_int8(int8.model)
+    assert int8.engine.compute_type == "int8" and int8.model.dtype == torch.float32  # the model is untouched
     outputs = greedy(int8, LINES)
     assert len(outputs) == len(LINES) and outputs[1] == "" and all(outputs[i] for i in (0, 2, 4))
     with pytest.raises(ValueError, match="int8 decoding runs on the CPU from float32"):
@@ -436,21 +434,3 @@ def test_int8_decoding_quantizes_the_linear_layers(tiny_translator, capsys):
         == 0
     )
     assert capsys.readouterr().out == outputs[0] + "\n"
-
-
-def test_static_cache_option_translates_as_the_default_cache(tiny_translator, capsys):
-    arguments = [
-        "translate",
-        str(tiny_translator[0]),
-        LINES[0],
-        LINES[2],
-        "--num-beams",
-        "2",
-        "--max-length-offset",
-        "4",
-        "--quiet",
-    ]
-    assert cli_main(arguments) == 0
-    expected = capsys.readouterr().out
-    assert cli_main([*arguments, "--static-cache"]) == 0
-    assert capsys.readouterr().out == expected

@@ -15,11 +15,10 @@ This file travels with saved weights for `trust_remote_code` (the model imports 
 from __future__ import annotations
 
 import functools
+import platform
 
 import torch
 from torch import nn
-
-from .compiled_decoding import cpu_vendor
 
 INT32_VALUES = 2**32
 
@@ -30,6 +29,19 @@ def torch_draws_one_at_a_time() -> bool:
     if not torch.backends.mkl.is_available():
         return True
     return cpu_vendor() != "GenuineIntel"
+
+
+@functools.cache
+def cpu_vendor() -> str:
+    """The CPU's vendor string as the kernel reports it ("GenuineIntel", "AuthenticAMD", ...), "" where unknown."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return next((name for name in ("GenuineIntel", "AuthenticAMD") if name in platform.processor()), "")
 
 
 def keep_threshold(p: float) -> int:

@@ -9,8 +9,9 @@ Shape legend: B batch, S source length, T target length (new tokens this call), 
 positions, G sources whose rows share cached keys (G divides B), h heads, d_k query/key size per head,
 d_v value size per head, D d_model, F d_ff, V vocabulary.
 
-One body per layer: training and decoding with any cache (transformers' dynamic one, static_decoding.py's slots,
-compiled or not) run the same `forward`; the attention takes earlier keys and values from the cache it is given.
+One body per layer: training and decoding with a cache run the same `forward`; the attention takes earlier keys
+and values from the cache it is given. Fast decoding is not here: `generate()` hands its calls to the package's
+engine (vaswani_tx.engine) where the package is installed.
 
 Where this file departs from the paper, and why (each is pinned by a test):
 - Initialisation is not given in the paper. Linear weights use Xavier-uniform, as in the authors'
@@ -38,7 +39,6 @@ it (the config, errors.py, skip_padding.py, dropout.py, generation_vaswani.py, t
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 from torch import nn
@@ -54,17 +54,10 @@ from transformers.modeling_outputs import (
 )
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from .compiled_decoding import attach as attach_compiled_step
 from .configuration_vaswani import VaswaniConfig
 from .dropout import Dropout, apply_dropout
 from .errors import UserInputError, check_decoder_mask, check_mask, check_token_ids, load_fitting_weights
-from .generation_vaswani import (
-    CACHE_FIELD,
-    VaswaniGenerationMixin,
-    decoding_cache,
-    paper_generation_config,
-    signature_kept,
-)
+from .generation_vaswani import CACHE_FIELD, VaswaniGenerationMixin, decoding_cache, paper_generation_config
 from .pipeline_vaswani import CUSTOM_PIPELINES
 from .skip_padding import PaddingPlan, at_positions, scatter_positions
 
@@ -188,35 +181,19 @@ def scaled_dot_product_attention(
     attention_mask: torch.Tensor | None,
     scaling: float,
     dropout: float = 0.0,
-    broadcast: bool = False,
     **kwargs,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention(Q, K, V) = softmax(Q K^T / sqrt(d_k)) V (Section 3.2.1, Equation 1): the "eager" implementation.
 
     query (B, h, T, d_k), key (B, h, S, d_k), value (B, h, S, d_v); returns (B, T, h, d_v) and the weights
-    (B, h, T, S). Same signature as transformers' attention interface, which supplies the SDPA version.
-    `broadcast`: the two products as element-wise products and sums over broadcast views (`broadcast_attention`)."""
-    if broadcast:
-        scores = (query[..., :, None, :] * key[..., None, :, :]).sum(-1) * scaling
-    else:
-        scores = torch.matmul(query, key.transpose(-1, -2)) * scaling  # (B, h, T, S)
+    (B, h, T, S). Same signature as transformers' attention interface, which supplies the SDPA version."""
+    scores = torch.matmul(query, key.transpose(-1, -2)) * scaling  # (B, h, T, S)
     if attention_mask is not None:
         scores = scores + attention_mask
     weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
     weights = apply_dropout(weights, dropout, module.training)
-    output = (weights[..., None] * value[..., None, :, :]).sum(-2) if broadcast else torch.matmul(weights, value)
+    output = torch.matmul(weights, value)
     return output.transpose(1, 2), weights  # (B, h, T, d_v) -> (B, T, h, d_v)
-
-
-def broadcast_attention(module: nn.Module, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
-    """Equation 1 as `scaled_dot_product_attention` computes it, its two products written as element-wise products
-    and sums over broadcast views: what a compiled decoding step uses for the encoder-decoder attention (inference
-    only). There each source's few queries (its k beams) meet its own S keys, thousands of tiny products a step,
-    which Inductor's generated loops run 1.1-1.9x faster than batched GEMM calls (and without copying the queries
-    and outputs between layouts). The same maths, its float32 sums in another order. Not for bfloat16, where
-    oneDNN's batched products use the CPU's bf16 dot-product instructions and the loops would not (Multi30k val
-    through the bfloat16 step: 5-10% slower with them)."""
-    return scaled_dot_product_attention(module, *args, broadcast=True, **kwargs)
 
 
 class MultiHeadAttention(nn.Module):
@@ -311,8 +288,6 @@ class MultiHeadAttention(nn.Module):
             attend = ALL_ATTENTION_FUNCTIONS.get_interface(
                 self.config._attn_implementation, scaled_dot_product_attention
             )
-        elif is_cross and query.dtype == torch.float32 and not self.training and torch.compiler.is_compiling():
-            attend = broadcast_attention  # a compiled float32 (or int8) decoding step: see there
         dropout = self.attention_dropout if self.training else 0.0
         output, weights = attend(self, query, key, value, mask, scaling=self.scaling, dropout=dropout)
         output = output.reshape(batch, length, self.num_heads * self.d_v)  # Concat(head_1..head_h): (B, T, h*d_v)
@@ -456,7 +431,6 @@ class Encoder(nn.Module):
         self.embeddings = Embeddings(config, embed_tokens)
         self.layers = nn.ModuleList([EncoderLayer(config, i) for i in range(config.num_encoder_layers)])
 
-    @signature_kept  # generate() reads it at every call
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -515,7 +489,6 @@ class Decoder(nn.Module):
         self.embeddings = Embeddings(config, embed_tokens)
         self.layers = nn.ModuleList([DecoderLayer(config, i) for i in range(config.num_decoder_layers)])
 
-    @signature_kept  # generate() reads it at every call
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -539,7 +512,7 @@ class Decoder(nn.Module):
         if encoder_hidden_states is None:
             raise ValueError("Decoder: encoder_hidden_states are required (it attends to the encoder output).")
         target = input_ids if input_ids is not None else inputs_embeds
-        if input_ids is not None and not torch.compiler.is_compiling():  # a compiled step's caller checks them
+        if input_ids is not None:
             check_token_ids(input_ids, self.config.target_vocab_size, "decoder_input_ids")
         output_attentions = bool(output_attentions)
         use_cache = self.config.use_cache if use_cache is None else use_cache
@@ -630,13 +603,8 @@ class VaswaniPreTrainedModel(PreTrainedModel):
     @classmethod
     def from_pretrained(cls, *args, **kwargs):
         """`PreTrainedModel.from_pretrained`, refusing weights that do not fit the config with an error that
-        names the config fields (`errors.load_fitting_weights`). A local folder's compiled decoding step
-        (`vaswani-tx compile`) is loaded with it where it fits (compiled_decoding.py); otherwise one logged line."""
-        model = load_fitting_weights(super().from_pretrained, *args, **kwargs)
-        folder = args[0] if args else kwargs.get("pretrained_model_name_or_path")
-        if hasattr(model, "project") and isinstance(folder, (str, os.PathLike)) and os.path.isdir(folder):
-            attach_compiled_step(model, folder)
-        return model
+        names the config fields (`errors.load_fitting_weights`). Nothing but the config and weights is read."""
+        return load_fitting_weights(super().from_pretrained, *args, **kwargs)
 
 
 class VaswaniModel(VaswaniPreTrainedModel):
@@ -757,8 +725,6 @@ class VaswaniForConditionalGeneration(VaswaniPreTrainedModel, VaswaniGenerationM
     (generation_vaswani.py)."""
 
     _tied_weights_keys = {"lm_head.weight": "model.shared.weight"}
-    # Decoding steps with a static cache that compiles (generation_vaswani.py): nn.Module's call would come first.
-    __call__ = VaswaniGenerationMixin.__call__
 
     def __init__(self, config: VaswaniConfig):
         super().__init__(config)
@@ -788,7 +754,6 @@ class VaswaniForConditionalGeneration(VaswaniPreTrainedModel, VaswaniGenerationM
     def set_output_embeddings(self, new_embeddings: nn.Linear) -> None:
         self.lm_head = new_embeddings
 
-    @signature_kept  # generate() reads it at every call
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -897,11 +862,6 @@ class VaswaniForConditionalGeneration(VaswaniPreTrainedModel, VaswaniGenerationM
 
     def prepare_decoder_input_ids_from_labels(self, labels: torch.Tensor) -> torch.Tensor:
         return shift_tokens_right(labels, self.config.pad_token_id, self.config.decoder_start_token_id)
-
-    def _reorder_cache(self, past_key_values: EncoderDecoderCache, beam_idx: torch.LongTensor) -> EncoderDecoderCache:
-        """Beam search: reorder only the self-attention keys and values (a source's beams share the rest)."""
-        past_key_values.self_attention_cache.reorder_cache(beam_idx)
-        return past_key_values
 
 
 if __name__ == "vaswani_tx.modeling_vaswani":  # the package's copy; transformers registers a saved folder's itself

@@ -104,10 +104,12 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
 
 @dataclass
 class Translator:
-    """A model and its tokenizer, ready to translate lines in batches (see the module docstring)."""
+    """A model and its tokenizer, ready to translate lines in batches (see the module docstring). `engine`: the
+    decoding engine's translator of another precision than the model's (`int8`), which decodes every batch."""
 
     model: Any
     tokenizer: Any
+    engine: Any = None
 
     @property
     def device(self) -> torch.device:
@@ -167,6 +169,7 @@ class Translator:
                 generated = self.model.generate(
                     input_ids=padded["input_ids"].to(self.device),
                     attention_mask=padded["attention_mask"].to(self.device),
+                    translator=self.engine,
                     **generate_kwargs,
                 )
                 texts = self.tokenizer.batch_decode(generated, skip_special_tokens=skip_special_tokens)
@@ -206,7 +209,7 @@ def load_translator(
 ) -> Translator:
     """Load a saved model folder and its tokenizer for translation (``device="auto"`` picks the GPU if any).
 
-    ``int8`` quantizes every linear layer to int8 for CPU decoding (``vaswani_tx.quantization``).
+    ``int8`` decodes with int8 products for every linear map (the engine's int8 step, ``vaswani_tx.engine``).
 
     Raises:
         FileNotFoundError: the folder does not exist.
@@ -237,11 +240,12 @@ def load_translator(
         check_tokenizer_fits_model(tokenizer, model.config)
     except UserInputError as err:
         raise UserInputError(f"{folder}: {err}") from None
+    model = model.to(device).eval()
     if int8:
-        from vaswani_tx.quantization import quantize_int8
+        from vaswani_tx.engine import Translator as Engine
 
-        model = quantize_int8(model.float(), inplace=True)
-    return Translator(model.to(device).eval(), tokenizer)
+        return Translator(model, tokenizer, Engine(model, compute_type="int8"))
+    return Translator(model, tokenizer)
 
 
 def translate(

@@ -33,10 +33,6 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "prepare-data": ("prepare_data", "clean and encode a parallel corpus into a dataset ready for training"),
     "convert": ("convert", "convert a MarianMT (OPUS-MT), FSMT or fairseq Transformer into a vaswani_tx model folder"),
     "export-marian": ("export_marian", "write a vaswani_tx model folder as a MarianMTModel folder"),
-    "compile": (
-        "compile",
-        "compile a saved model's decoding step ahead of time, for fast CPU decoding in every process",
-    ),
     "export-ct2": ("export_ct2", "convert a saved model to CTranslate2 for fast CPU serving, optionally int8"),
     "parse": ("parse", "constituency parsing (Section 6.3): train on a treebank, parse, score bracketing F1"),
 }
@@ -147,11 +143,9 @@ def main(argv: list[str] | None = None) -> int:
     elif extra:  # as the command's own usage error: `vaswani-tx COMMAND: error: ...`, status 2
         args._parser.error(f"unrecognized arguments: {' '.join(extra)}")
     from vaswani_tx.atomic import sigterm_as_interrupt
-    from vaswani_tx.compiled_decoding import gemm_backend
 
     stopped: list[int] = []  # SIGTERM raises KeyboardInterrupt, so clean-ups run as for Ctrl-C; exit 128 + 15
     try:
-        gemm_backend()  # a VASWANI_TX_GEMM that names no library is refused before any work
         with sigterm_as_interrupt(stopped), precision_choices_shown(args.command):
             status = int(args._run(args) or 0)
         return 128 + stopped[0] if stopped and status == 130 else status

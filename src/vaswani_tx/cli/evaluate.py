@@ -154,7 +154,6 @@ def run(args: argparse.Namespace) -> int:
         "device": str(translator.device),
         "dtype": str(translator.model.dtype).removeprefix("torch."),
         "int8": args.int8,
-        "static_cache": args.static_cache,
         "decoding_seconds": round(seconds, 2),
         "hypotheses": str(hypothesis_file),
     }

@@ -57,13 +57,7 @@ def add_decoding_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--int8",
         action="store_true",
-        help="int8 linear layers for CPU decoding (dynamic quantization of float32 weights)",
-    )
-    group.add_argument(
-        "--static-cache",
-        action="store_true",
-        help="decode with a static cache and a compiled step (generate(cache_implementation='static')): "
-        "each process compiles the step on its first call, and the cache is preallocated",
+        help="int8 products for every linear map, for CPU decoding (weights quantized per output row, activations per call)",
     )
     group.add_argument("--quiet", action="store_true", help="no progress bar")
 
@@ -128,8 +122,6 @@ def decoding_options(args: argparse.Namespace) -> dict:
         options["length_penalty"] = 1.0  # greedy has no length penalty: no warning about the model's alpha
     if args.max_length_offset is not None:
         options["max_output_length_offset"] = args.max_length_offset
-    if args.static_cache:
-        options["cache_implementation"] = "static"
     return options
 
 
