@@ -5,7 +5,7 @@
 Prints: tokenizer training time on Multi30k train and on newstest2013; tokens per sentence per side;
 the unknown-token rate on newstest2013; the padding fraction of token-budget batches against randomly
 ordered batches of the same sizes; and the pre-tokenisation comparison behind the choice documented
-in ``vaswani_tx.tokenization``. Timings depend on the machine and its load; counts do not.
+in ``vaswani_tx.data.tokenization``. Timings depend on the machine and its load; counts do not.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
-from vaswani_tx.data import TokenBudgetBatchSampler, iter_lines
-from vaswani_tx.tokenization import (
+from vaswani_tx.data.data import TokenBudgetBatchSampler, iter_lines
+from vaswani_tx.data.tokenization import (
     BYTE_TOKENS,
     SPECIAL_TOKENS,
     UNK_TOKEN_ID,

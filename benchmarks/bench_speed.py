@@ -65,9 +65,9 @@ def build_models(root: Path) -> dict[str, Path]:
     from tokenizers import Tokenizer, models, pre_tokenizers, processors
     from transformers import MarianConfig, MarianMTModel, PreTrainedTokenizerFast
 
-    from vaswani_tx.configuration_vaswani import VaswaniConfig
-    from vaswani_tx.export import export_ct2
-    from vaswani_tx.modeling_vaswani import VaswaniForConditionalGeneration
+    from vaswani_tx.interop.export import export_ct2
+    from vaswani_tx.model.configuration_vaswani import VaswaniConfig
+    from vaswani_tx.model.modeling_vaswani import VaswaniForConditionalGeneration
 
     torch.manual_seed(0)
     paths = {
@@ -170,12 +170,14 @@ def load_torch_model(kind: str, paths: dict[str, str], train: bool):
 
         model = MarianMTModel.from_pretrained(paths["marian"])
     else:
-        from vaswani_tx.modeling_vaswani import VaswaniForConditionalGeneration
+        from vaswani_tx.model.modeling_vaswani import VaswaniForConditionalGeneration
 
         # "ours-full" computes padded positions too (skip_padding=False): what skipping them buys.
         kwargs = dict(skip_padding=kind != "ours-full")
         if kind == "ours-bf16":  # --dtype auto: bfloat16 where the CPU has bf16 instructions, else float32; loaded
-            from vaswani_tx.precision import decoding_dtype  # so, as translate does, with the folder's step for it
+            from vaswani_tx.engine.precision import (
+                decoding_dtype,  # so, as translate does, with the folder's step for it
+            )
 
             kwargs["dtype"] = decoding_dtype("auto")
         model = VaswaniForConditionalGeneration.from_pretrained(paths["ours"], **kwargs)

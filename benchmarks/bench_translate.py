@@ -76,7 +76,7 @@ def load(job: dict):
     tokenizer = AutoTokenizer.from_pretrained(model)
     beams = {} if job.get("num_beams") is None else {"num_beams": job["num_beams"]}
     if impl.startswith("translate"):
-        from vaswani_tx.translation import load_translator
+        from vaswani_tx.engine.translation import load_translator
 
         dtype = "auto" if impl == "translate-auto" else None
         translator = load_translator(model, device="cpu", dtype=dtype, int8=impl == "translate-int8")
@@ -96,7 +96,7 @@ def load(job: dict):
         return translate, tokenizer
     import ctranslate2
 
-    from vaswani_tx.export import ct2_decoding_options
+    from vaswani_tx.interop.export import ct2_decoding_options
 
     folder = job["ct2"]
     compute_type = "int8" if impl == "ct2-int8" else "float32"
@@ -167,7 +167,7 @@ def save_afresh(model_folder: str, tmp: Path) -> Path:
     """The model saved with this tree's code (what `trust_remote_code` runs: the pipeline's)."""
     from transformers import AutoTokenizer
 
-    from vaswani_tx.modeling_vaswani import VaswaniForConditionalGeneration
+    from vaswani_tx.model.modeling_vaswani import VaswaniForConditionalGeneration
 
     folder = tmp / "model"
     VaswaniForConditionalGeneration.from_pretrained(model_folder).save_pretrained(folder)
@@ -177,7 +177,7 @@ def save_afresh(model_folder: str, tmp: Path) -> Path:
 
 def machine(threads: list[int]) -> dict:
     """bench_speed's description of the machine, with the CPU's vector and matrix flags and its bf16 instructions."""
-    from vaswani_tx.precision import cpu_bf16_instructions
+    from vaswani_tx.engine.precision import cpu_bf16_instructions
 
     flags = []
     with contextlib.suppress(OSError, StopIteration), open("/proc/cpuinfo") as cpuinfo:
@@ -210,7 +210,7 @@ def main() -> None:
         return worker(json.loads(args.worker))
     if not args.model:
         parser.error("give the model folder")
-    from vaswani_tx.export import export_ct2
+    from vaswani_tx.interop.export import export_ct2
 
     about = machine(args.threads)
     print(json.dumps(about))

@@ -22,9 +22,10 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from vaswani_tx import VaswaniForConditionalGeneration, dropout
-from vaswani_tx.params import load_model_config
-from vaswani_tx.training import label_smoothed_loss
+from vaswani_tx import VaswaniForConditionalGeneration
+from vaswani_tx.model import dropout
+from vaswani_tx.training.params import load_model_config
+from vaswani_tx.training.training import label_smoothed_loss
 
 REPO = Path(__file__).resolve().parents[1]
 

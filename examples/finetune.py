@@ -38,9 +38,9 @@ def main(argv: list[str] | None = None) -> dict:
     )
 
     import vaswani_tx
-    from vaswani_tx.data import read_parallel_files, tokenize_pairs
-    from vaswani_tx.evaluation import make_compute_metrics
-    from vaswani_tx.tokenization import check_tokenizer_fits_model
+    from vaswani_tx.data.data import read_parallel_files, tokenize_pairs
+    from vaswani_tx.data.tokenization import check_tokenizer_fits_model
+    from vaswani_tx.metrics.evaluation import make_compute_metrics
 
     vaswani_tx.register_auto_classes()  # `import vaswani_tx` alone is light and registers nothing
     model = AutoModelForSeq2SeqLM.from_pretrained(args.model_dir)

@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sentence", default="Two young men are playing soccer on a field.")
     args = parser.parse_args(argv)
     os.environ["GRADIO_ANALYTICS_ENABLED"] = "False"
-    from vaswani_tx.demo import build_demo, serve
+    from vaswani_tx.demo.demo import build_demo, serve
 
     page = serve(build_demo(args.model, device="cpu"), "127.0.0.1", free_port(), block=False)
     driver = None

@@ -30,7 +30,7 @@ def tiny_translator(tmp_path_factory, shared_data):
     import torch
 
     from vaswani_tx import VaswaniConfig, VaswaniForConditionalGeneration
-    from vaswani_tx.tokenization import train_tokenizer
+    from vaswani_tx.data.tokenization import train_tokenizer
 
     folder = tmp_path_factory.mktemp("tiny-translator")
     corpus = tmp_path_factory.mktemp("tiny-corpus") / "val.txt"

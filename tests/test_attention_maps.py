@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vaswani_tx.attention_maps import attention_weights, plot_attention_maps
 from vaswani_tx.cli import main
+from vaswani_tx.demo.attention_maps import attention_weights, plot_attention_maps
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ from vaswani_tx.cli import main
 def test_command_modules_import_no_heavy_libraries():
     code = (
         "import sys, vaswani_tx.cli.train_tokenizer, vaswani_tx.cli.prepare_data\n"
-        "print(sorted(m for m in ('datasets', 'vaswani_tx.data', 'vaswani_tx.tokenization') if m in sys.modules))"
+        "print(sorted(m for m in ('datasets', 'vaswani_tx.data.data', 'vaswani_tx.data.tokenization') if m in sys.modules))"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "[]"

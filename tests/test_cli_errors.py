@@ -25,8 +25,8 @@ import torch
 import yaml
 
 from vaswani_tx.cli import main
-from vaswani_tx.errors import UserInputError
 from vaswani_tx.folders import LOCK_NAME, RunLock, RunLockError, check_writable, refuse_to_overwrite
+from vaswani_tx.model.errors import UserInputError
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -34,7 +34,7 @@ REPO = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="module")
 def ws(tiny_translator, shared_data, tmp_path_factory) -> Path:
     """The workspace every case runs against (read-only for the cases: its hash must not change)."""
-    from vaswani_tx.export import export_marian
+    from vaswani_tx.interop.export import export_marian
 
     folder, model, tokenizer = tiny_translator
     ws = tmp_path_factory.mktemp("ws")
@@ -272,7 +272,7 @@ def _same_size_other_tokenizer(source: Path, out: Path) -> Path:
 
 
 def test_a_same_size_tokenizer_of_another_model_is_refused(ws, tmp_path, capsys):
-    from vaswani_tx.tokenization import load_tokenizer, vocabulary_fingerprint
+    from vaswani_tx.data.tokenization import load_tokenizer, vocabulary_fingerprint
 
     model = tmp_path / "model"
     shutil.copytree(ws / "model", model)
@@ -415,7 +415,7 @@ def test_two_concurrent_train_runs_on_one_folder_exactly_one_runs(ws, tmp_path):
     assert outputs[loser].strip().splitlines()[-1].startswith("vaswani-tx train: error: ")
     assert "averaged the last 4 checkpoints" in outputs[winner]  # average_last 5, and 4 were written
     assert (tmp_path / "out" / "averaged" / "model.safetensors").is_file()
-    from vaswani_tx.tokenization import load_tokenizer, vocabulary_fingerprint
+    from vaswani_tx.data.tokenization import load_tokenizer, vocabulary_fingerprint
 
     saved = json.loads((tmp_path / "out" / "config.json").read_text(encoding="utf-8"))
     assert saved["tokenizer_fingerprint"] == vocabulary_fingerprint(load_tokenizer(ws / "tok"))
@@ -426,8 +426,8 @@ def test_two_concurrent_train_runs_on_one_folder_exactly_one_runs(ws, tmp_path):
 
 
 def test_ctrl_c_in_train_says_what_was_saved_and_how_to_resume(ws, tmp_path, capsys, monkeypatch):
-    import vaswani_tx.checkpoints
-    import vaswani_tx.recipe
+    import vaswani_tx.training.checkpoints
+    import vaswani_tx.training.recipe
 
     def interrupted(recipe, arguments, resume=False, force=False):  # checkpoint-20 complete, -30 being written
         (Path(arguments.output_dir) / "checkpoint-30").mkdir(parents=True)
@@ -436,10 +436,10 @@ def test_ctrl_c_in_train_says_what_was_saved_and_how_to_resume(ws, tmp_path, cap
 
     def complete_only_20(folder, for_resume=True):
         if Path(folder).name != "checkpoint-20":
-            raise vaswani_tx.checkpoints.CheckpointError(f"checkpoint {folder} is incomplete")
+            raise vaswani_tx.training.checkpoints.CheckpointError(f"checkpoint {folder} is incomplete")
 
-    monkeypatch.setattr(vaswani_tx.recipe, "train", interrupted)
-    monkeypatch.setattr(vaswani_tx.checkpoints, "check_checkpoint", complete_only_20)
+    monkeypatch.setattr(vaswani_tx.training.recipe, "train", interrupted)
+    monkeypatch.setattr(vaswani_tx.training.checkpoints, "check_checkpoint", complete_only_20)
     config = run_config(ws, tmp_path)
     assert main(["train", config, "max_steps=3"]) == 130
     err = capsys.readouterr().err
@@ -448,7 +448,7 @@ def test_ctrl_c_in_train_says_what_was_saved_and_how_to_resume(ws, tmp_path, cap
 
 
 def test_ctrl_c_in_translate_says_nothing_was_written(ws, tmp_path, capsys, monkeypatch):
-    from vaswani_tx.translation import Translator
+    from vaswani_tx.engine.translation import Translator
 
     def interrupted(self, lines, **kwargs):
         raise KeyboardInterrupt
@@ -484,7 +484,7 @@ SHAPE_BUG = "mat1 and mat2 shapes cannot be multiplied (3x24 and 40x24)"  # torc
 def test_a_plain_value_error_inside_a_command_is_a_bug_not_bad_input(ws, capsys, monkeypatch):
     """torch raises ValueError for a shape mismatch: one from inside a library call is a bug (exit 1, one line
     asking for a report), not `error: MESSAGE` and exit 2 as if the user's input were wrong."""
-    from vaswani_tx.translation import Translator
+    from vaswani_tx.engine.translation import Translator
 
     def translate_with_a_shape_bug(self, lines, **kwargs):
         raise ValueError(SHAPE_BUG)
@@ -511,13 +511,13 @@ def test_debug_prints_the_traceback_of_a_bug(tmp_path):
     config.write_text("{}", encoding="utf-8")
     script = textwrap.dedent(f"""
         import sys
-        import vaswani_tx.params
+        import vaswani_tx.training.params
         from vaswani_tx.cli import main
 
         def parameter_table(files):
             raise ValueError({SHAPE_BUG!r})
 
-        vaswani_tx.params.parameter_table = parameter_table
+        vaswani_tx.training.params.parameter_table = parameter_table
         sys.exit(main(sys.argv[1:]))
     """)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
@@ -556,12 +556,12 @@ def test_debug_prints_the_traceback_of_a_bug(tmp_path):
     ids=["user-input", "missing-file", "full-disk", "permission", "our-os-error"],
 )
 def test_user_input_and_os_errors_exit_2_in_one_line_even_with_debug(error, message, tmp_path, capsys, monkeypatch):
-    import vaswani_tx.params
+    import vaswani_tx.training.params
 
     def parameter_table(files):
         raise error
 
-    monkeypatch.setattr(vaswani_tx.params, "parameter_table", parameter_table)
+    monkeypatch.setattr(vaswani_tx.training.params, "parameter_table", parameter_table)
     config = tmp_path / "model.json"
     config.write_text("{}", encoding="utf-8")
     for debug in ([], ["--debug"]):  # --debug is for bugs: bad input stays one line
@@ -617,13 +617,13 @@ def test_a_saved_model_carries_its_user_input_error(tmp_path):
     """The config raises UserInputError from errors.py, which save_pretrained copies beside it: the folder
     loads with trust_remote_code where vaswani_tx cannot be imported, and a bad value there is its
     UserInputError (a ValueError) too."""
-    import vaswani_tx.errors
+    import vaswani_tx.model.errors
     from vaswani_tx import VaswaniConfig, VaswaniForConditionalGeneration
 
     config = VaswaniConfig(vocab_size=40, d_model=8, d_ff=16, num_heads=2, num_encoder_layers=1, num_decoder_layers=1)
     folder = tmp_path / "model"
     VaswaniForConditionalGeneration(config).save_pretrained(folder)
-    assert (folder / "errors.py").read_bytes() == Path(vaswani_tx.errors.__file__).read_bytes()
+    assert (folder / "errors.py").read_bytes() == Path(vaswani_tx.model.errors.__file__).read_bytes()
     script = textwrap.dedent(f"""
         import sys
         sys.modules["vaswani_tx"] = None  # importing vaswani_tx now fails, as where it is not installed

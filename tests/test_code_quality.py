@@ -13,19 +13,21 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "src" / "vaswani_tx"
-# The files `save_pretrained` copies next to the weights for trust_remote_code: they import torch,
-# transformers and each other, nothing else of ours.
-TRAVELLING = {
-    "configuration_vaswani",
-    "modeling_vaswani",
-    "generation_vaswani",
-    "pipeline_vaswani",
-    "tokenization_fairseq",  # converted fairseq and FSMT folders only
-    "errors",  # the config and the model raise its UserInputError
-    "skip_padding",
-    "dropout",  # the model's dropout (masks drawn in bulk on CPUs where torch draws them one by one)
-    "vocabulary",  # the pipeline's tokenizer-fits-model check and text normalisation
-}
+# What `save_pretrained` copies next to the weights for trust_remote_code: model/, whose files import torch,
+# transformers and each other, nothing else of ours (the engine's one bridge, inside generate(), aside).
+TRAVELLING = {path.stem for path in (PACKAGE / "model").glob("*.py") if path.name != "__init__.py"}
+# The layers, top to bottom: a module imports only from its own subpackage and from layers below its own, counting
+# imports inside functions. The shared helpers (atomic writes, folder checks, text reading) sit just above model/.
+LAYERS = [
+    {"cli"},
+    {"demo", "parsing"},
+    {"training", "interop"},
+    {"engine"},
+    {"data", "metrics"},
+    {"atomic", "folders", "text_io"},
+    {"model"},
+]
+BRIDGE = ("vaswani_tx.model.generation_vaswani", "vaswani_tx.engine")  # generate() -> the engine, where installed
 
 
 def module_name(path: Path) -> str:
@@ -102,8 +104,43 @@ def test_no_import_cycle():
 
 def test_files_that_travel_with_saved_models_import_only_each_other():
     for name in TRAVELLING:
-        ours = {m.rpartition(".")[2] for m in imported_modules(PACKAGE / f"{name}.py")}
-        assert ours <= TRAVELLING, f"{name}.py imports {sorted(ours - TRAVELLING)}, which saved models do not carry"
+        ours = {m for m in imported_modules(PACKAGE / "model" / f"{name}.py", function_bodies=True)}
+        ours -= {BRIDGE[1]} if f"vaswani_tx.model.{name}" == BRIDGE[0] else set()
+        outside = {m for m in ours if not m.startswith("vaswani_tx.model.")}
+        assert not outside, f"model/{name}.py imports {sorted(outside)}, which saved models do not carry"
+
+
+def layer_of(module: str) -> int | None:
+    """The index in LAYERS of a module's subpackage (or top-level helper); None for the package itself."""
+    parts = module.split(".")
+    if len(parts) < 2:
+        return None
+    return next(index for index, names in enumerate(LAYERS) if parts[1] in names)
+
+
+def test_imports_point_one_way_down_the_layers():
+    """cli; then demo, parsing; then training, interop; then engine; then data, metrics; then the helpers; then
+    model: each module imports its own subpackage and the layers below it only, imports inside functions included."""
+    wrong = []
+    for path in PACKAGE.rglob("*.py"):
+        module = module_name(path)
+        here = layer_of(module)
+        if here is None:
+            continue
+        for target in imported_modules(path, function_bodies=True):
+            there = layer_of(target)
+            same = target.split(".")[1] == module.split(".")[1]
+            if there is not None and not same and there <= here and (module, target) != BRIDGE:
+                wrong.append(f"{module} -> {target}")
+    assert not wrong, "imports against the layers:\n" + "\n".join(sorted(wrong))
+
+
+def test_the_package_is_subpackages_and_at_most_three_helpers():
+    top = sorted(p.stem for p in PACKAGE.glob("*.py") if p.name != "__init__.py")
+    assert top == ["atomic", "folders", "text_io"]
+    assert {p.name for p in PACKAGE.iterdir() if p.is_dir() and (p / "__init__.py").is_file()} == {
+        name for names in LAYERS for name in names if (PACKAGE / name).is_dir()
+    }
 
 
 def test_each_module_imports_alone_in_a_fresh_process():

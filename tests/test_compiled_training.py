@@ -13,9 +13,9 @@ from safetensors.torch import load_file
 from transformers import DataCollatorForSeq2Seq, Seq2SeqTrainingArguments
 
 from vaswani_tx import VaswaniConfig, VaswaniForConditionalGeneration
-from vaswani_tx.data import tokenize_pairs
-from vaswani_tx.tokenization import train_tokenizer
-from vaswani_tx.training import VaswaniTrainer
+from vaswani_tx.data.data import tokenize_pairs
+from vaswani_tx.data.tokenization import train_tokenizer
+from vaswani_tx.training.training import VaswaniTrainer
 
 
 @pytest.fixture(scope="module")

@@ -26,15 +26,15 @@ from transformers import (
 
 from vaswani_tx import VaswaniConfig, VaswaniForConditionalGeneration
 from vaswani_tx.cli import main
-from vaswani_tx.convert import (
+from vaswani_tx.data.tokenization import check_tokenizer_fits_model, vocabulary_fingerprint
+from vaswani_tx.interop.convert import (
     CheckpointError,
     ConversionError,
     convert,
     fairseq_to_vaswani,
     marian_to_vaswani,
 )
-from vaswani_tx.export import vaswani_to_marian
-from vaswani_tx.tokenization import check_tokenizer_fits_model, vocabulary_fingerprint
+from vaswani_tx.interop.export import vaswani_to_marian
 
 EN = [
     "a dog runs in the park .",
@@ -240,8 +240,8 @@ def test_converted_model_fine_tunes_with_the_recipe_and_saves(marian_pair, tmp_p
     from datasets import Dataset
     from transformers import DataCollatorForSeq2Seq, Seq2SeqTrainingArguments
 
-    from vaswani_tx.data import tokenize_pairs
-    from vaswani_tx.training import VaswaniTrainer
+    from vaswani_tx.data.data import tokenize_pairs
+    from vaswani_tx.training.training import VaswaniTrainer
 
     marian, root = marian_pair
     folder = root / "converted"
@@ -403,7 +403,7 @@ def fairseq_folder(tmp_path_factory):
 def test_fsmt_converts_exactly(fairseq_folder, tmp_path):
     source, fsmt = fairseq_folder
     # The FSMT folder's tokenizer is the one transformers' FSMT port writes: fairseq's dictionaries with `</w>` ends.
-    from vaswani_tx.convert import _fairseq_tokenizer
+    from vaswani_tx.interop.convert import _fairseq_tokenizer
 
     (tmp_path / "fsmt").mkdir()
     _fairseq_tokenizer(source / "checkpoint_best.pt", {"source_lang": "en", "target_lang": "de"}, tmp_path / "fsmt")
@@ -478,7 +478,7 @@ def test_shared_fairseq_vocabulary_ties_all_three_tables(tmp_path):
 
 
 def test_round_trip_through_marian(tmp_path, caplog, capsys):
-    from vaswani_tx.tokenization import train_tokenizer
+    from vaswani_tx.data.tokenization import train_tokenizer
 
     corpus = tmp_path / "text.txt"
     corpus.write_text("\n".join(EN + DE) + "\n", encoding="utf-8")
@@ -497,7 +497,7 @@ def test_round_trip_through_marian(tmp_path, caplog, capsys):
     model.generation_config.update(num_beams=3, length_penalty=2.5)  # a run config's, GNMT form, source + 50
     model.save_pretrained(tmp_path / "ours")
     tokenizer.save_pretrained(tmp_path / "ours")
-    with caplog.at_level("WARNING", logger="vaswani_tx.export"):
+    with caplog.at_level("WARNING", logger="vaswani_tx.interop.export"):
         assert main(["export-marian", str(tmp_path / "ours"), str(tmp_path / "marian")]) == 0
     # MarianMT applies |Y|^alpha: the export says so, and records our form for the way back
     assert any("|Y|^2.5, not the GNMT" in record.getMessage() for record in caplog.records)
@@ -737,8 +737,8 @@ def test_options_count_and_validate():
 def test_fairseq_sinusoids_are_fsmts_permuted_and_start_after_padding():
     from transformers.models.fsmt.modeling_fsmt import SinusoidalPositionalEmbedding
 
-    from vaswani_tx.convert import marian_hidden_permutation
-    from vaswani_tx.modeling_vaswani import SinusoidalPositionalEncoding, fairseq_sinusoidal_table
+    from vaswani_tx.interop.convert import marian_hidden_permutation
+    from vaswani_tx.model.modeling_vaswani import SinusoidalPositionalEncoding, fairseq_sinusoidal_table
 
     theirs = SinusoidalPositionalEmbedding.get_embedding(40, 24, padding_idx=None)
     ours = fairseq_sinusoidal_table(40, 24)
@@ -748,7 +748,7 @@ def test_fairseq_sinusoids_are_fsmts_permuted_and_start_after_padding():
 
 
 def test_model_card_lists_the_options_and_what_needs_them(marian_pair):
-    from vaswani_tx.publishing import render_model_card
+    from vaswani_tx.interop.publishing import render_model_card
 
     _, root = marian_pair
     model = VaswaniForConditionalGeneration.from_pretrained(root / "converted")

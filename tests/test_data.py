@@ -13,10 +13,10 @@ import torch
 from torch.utils.data import DataLoader
 from transformers import DataCollatorForSeq2Seq, MarianConfig, MarianMTModel, Seq2SeqTrainingArguments
 
-from vaswani_tx import data
-from vaswani_tx.data import CorpusError, TokenBudgetBatchSampler, clean_pairs, tokenize_pairs
-from vaswani_tx.tokenization import EOS_TOKEN_ID, train_tokenizer
-from vaswani_tx.training import TokenBudgetSeq2SeqTrainer
+from vaswani_tx.data import data
+from vaswani_tx.data.data import CorpusError, TokenBudgetBatchSampler, clean_pairs, tokenize_pairs
+from vaswani_tx.data.tokenization import EOS_TOKEN_ID, train_tokenizer
+from vaswani_tx.training.training import TokenBudgetSeq2SeqTrainer
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +76,7 @@ def test_one_line_reader_for_corpora_and_test_sets(tmp_path):
     """Corpora and scored files split at \\n only, drop a Windows \\r and the byte-order mark that starts a file
     (a U+FEFF elsewhere is text, which the tokenizers drop); a corpus keeps trailing whitespace (a TSV's empty
     last field), a test set strips it as sacreBLEU does."""
-    from vaswani_tx.evaluation import read_lines
+    from vaswani_tx.metrics.evaluation import read_lines
 
     path = _write(tmp_path / "x.txt", "\ufeffeins\r\nzwei\u2028drei \t\n\ufeff\nvier".encode())
     assert list(data.iter_lines(path)) == ["eins", "zwei\u2028drei \t", "\ufeff", "vier"]
@@ -349,7 +349,7 @@ def test_sampler_refuses_a_state_from_another_setup():
 def test_sampler_drops_and_counts_oversized_pairs(caplog):
     source = np.array([5, 50, 5, 5, 8])
     target = np.array([5, 5, 5, 70, 8])
-    with caplog.at_level(logging.WARNING, logger="vaswani_tx.data"):
+    with caplog.at_level(logging.WARNING, logger="vaswani_tx.data.data"):
         sampler = TokenBudgetBatchSampler(source, target, 40)
     assert sampler.num_oversized == 2 and sampler.oversized_indices.tolist() == [1, 3]
     assert "dropping 2 of 5 pairs longer than max_tokens=40" in caplog.text

@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 
 from vaswani_tx.cli import main as cli_main
-from vaswani_tx.demo import build_demo, serve, write_space
-from vaswani_tx.translation import load_translator
+from vaswani_tx.demo.demo import build_demo, serve, write_space
+from vaswani_tx.engine.translation import load_translator
 
 REPO = Path(__file__).resolve().parents[1]
 SENTENCE = "Ein Hund läuft über die Wiese."
@@ -267,7 +267,7 @@ def test_the_command_writes_a_space_and_checks_its_arguments(folder, tmp_path, c
 
 
 def test_the_model_card_links_the_space(tiny_translator):
-    from vaswani_tx.publishing import render_model_card
+    from vaswani_tx.interop.publishing import render_model_card
 
     card = dict(repo="someone/tiny-de-en", source_lang="de", target_lang="en", training_data="Multi30k val.")
     linked = render_model_card(tiny_translator[1], **card, space="someone/tiny-de-en-demo")

@@ -29,7 +29,7 @@ CONFIG = REPO / "configs" / "train" / "wmt14-en-de-base.yaml"
 @pytest.fixture(scope="module")
 def stand_in(shared_data, tmp_path_factory) -> list[str]:
     """key=value overrides: a tiny dropout-free model, a small vocabulary, newstest2013 text, 4 steps."""
-    from vaswani_tx.tokenization import train_tokenizer
+    from vaswani_tx.data.tokenization import train_tokenizer
 
     folder = tmp_path_factory.mktemp("stand-in")
     for lang in ("en", "de"):

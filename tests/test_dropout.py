@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from vaswani_tx import dropout as dropout_module
-from vaswani_tx.dropout import Dropout, apply_dropout, keep_threshold
+from vaswani_tx.model import dropout as dropout_module
+from vaswani_tx.model.dropout import Dropout, apply_dropout, keep_threshold
 
 
 @pytest.fixture

@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 
 from vaswani_tx.cli import main
-from vaswani_tx.params import load_model_config, training_flops
-from vaswani_tx.plan import run_plan
-from vaswani_tx.run_config import ConfigError, load_run_config
+from vaswani_tx.training.params import load_model_config, training_flops
+from vaswani_tx.training.plan import run_plan
+from vaswani_tx.training.run_config import ConfigError, load_run_config
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "configs" / "train" / "multi30k-en-de.yaml"
@@ -57,7 +57,7 @@ def test_tokens_per_step_out_of_reach_is_refused_with_both_numbers(dev_files, ca
 
 
 def test_overrides_keep_yes_and_no_as_words():
-    from vaswani_tx.run_config import parse_overrides
+    from vaswani_tx.training.run_config import parse_overrides
 
     assert parse_overrides(["eval_strategy=no", "fp16=true", "save_strategy=No", "max_steps=10", "x="]) == {
         "eval_strategy": "no",

@@ -19,7 +19,8 @@ from torch import nn
 from test_modeling import EOS, batch, tiny_model
 from vaswani_tx.engine import Translator
 from vaswani_tx.engine.step import int8_product
-from vaswani_tx.generation_vaswani import fairseq_generation_config
+from vaswani_tx.interop.convert import fairseq_generation_config
+
 
 @pytest.fixture(autouse=True)
 def engine_serves(monkeypatch, request):

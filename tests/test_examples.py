@@ -9,7 +9,7 @@ import torch
 from transformers import AutoModelForSeq2SeqLM
 
 from vaswani_tx import VaswaniConfig, VaswaniForConditionalGeneration
-from vaswani_tx.tokenization import train_tokenizer
+from vaswani_tx.data.tokenization import train_tokenizer
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 

@@ -9,7 +9,7 @@ import torch
 
 from vaswani_tx import VaswaniConfig, VaswaniForConditionalGeneration
 from vaswani_tx.cli import main as cli_main
-from vaswani_tx.export import DECODING_FILE, build_ct2_spec, ct2_decoding_options, export_ct2
+from vaswani_tx.interop.export import DECODING_FILE, build_ct2_spec, ct2_decoding_options, export_ct2
 
 ctranslate2 = pytest.importorskip("ctranslate2")
 

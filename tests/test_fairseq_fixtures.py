@@ -20,9 +20,9 @@ from transformers import AutoTokenizer, pipeline
 
 from vaswani_tx import VaswaniForConditionalGeneration
 from vaswani_tx.cli import main
-from vaswani_tx.convert import convert
-from vaswani_tx.fairseq_checkpoint import read_dictionary
-from vaswani_tx.tokenization import check_tokenizer_fits_model
+from vaswani_tx.data.tokenization import check_tokenizer_fits_model
+from vaswani_tx.interop.convert import convert
+from vaswani_tx.interop.fairseq_checkpoint import read_dictionary
 
 FIXTURES = Path(__file__).parent / "fixtures" / "fairseq"
 NAMES = ("shared", "separate")
@@ -196,8 +196,8 @@ def test_separate_vocabulary_model_fine_tunes_on_fairseqs_target_ids(tmp_path):
     from datasets import Dataset
     from transformers import DataCollatorForSeq2Seq, Seq2SeqTrainingArguments
 
-    from vaswani_tx.data import tokenize_pairs
-    from vaswani_tx.training import VaswaniTrainer
+    from vaswani_tx.data.data import tokenize_pairs
+    from vaswani_tx.training.training import VaswaniTrainer
 
     source = FIXTURES / "separate"
     convert(source, tmp_path / "converted")

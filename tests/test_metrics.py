@@ -21,7 +21,14 @@ import numpy as np
 import pytest
 import sacremoses
 
-from vaswani_tx.evaluation import METRIC_PATH, load_metric, make_compute_metrics, read_lines, score, score_files
+from vaswani_tx.metrics.evaluation import (
+    METRIC_PATH,
+    load_metric,
+    make_compute_metrics,
+    read_lines,
+    score,
+    score_files,
+)
 from vaswani_tx.metrics.vaswani_bleu.vaswani_bleu import split_compounds
 
 SACREBLEU_CLI = Path(sys.executable).with_name("sacrebleu")
@@ -217,7 +224,7 @@ def test_evaluate_load_offline_from_package_path():
         "def refuse(*args, **kwargs):\n"
         "    raise OSError('network used')\n"
         "socket.socket.connect = refuse\n"
-        "from vaswani_tx.evaluation import METRIC_PATH, load_metric\n"
+        "from vaswani_tx.metrics.evaluation import METRIC_PATH, load_metric\n"
         "by_file = evaluate.load(str(METRIC_PATH), keep_in_memory=True)\n"
         "by_folder = evaluate.load(str(METRIC_PATH.parent), keep_in_memory=True)\n"
         "args = dict(predictions=['Das ist gut .'], references=['Das ist gut .'], target_lang='de')\n"
@@ -261,9 +268,9 @@ def test_make_compute_metrics_on_fake_eval_prediction():
 def test_evaluation_imports_no_model_or_training_code():
     import ast
 
-    import vaswani_tx.evaluation
+    import vaswani_tx.metrics.evaluation
 
-    tree = ast.parse(Path(vaswani_tx.evaluation.__file__).read_text(encoding="utf-8"))
+    tree = ast.parse(Path(vaswani_tx.metrics.evaluation.__file__).read_text(encoding="utf-8"))
     imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
     imported |= {node.module or "" for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
     assert not {name for name in imported if "modeling" in name or "training" in name}, imported

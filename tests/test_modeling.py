@@ -19,10 +19,16 @@ from transformers import AutoConfig, AutoModel, AutoModelForSeq2SeqLM
 
 import vaswani_tx
 from vaswani_tx import GNMTLengthPenalty, VaswaniConfig, VaswaniForConditionalGeneration, VaswaniModel
-from vaswani_tx.export import vaswani_to_marian
-from vaswani_tx.modeling_vaswani import sinusoidal_table
-from vaswani_tx.paper import ALL_MODEL_CONFIGS, PAPER_VOCAB_SIZE, TABLE3, TOLERANCE_MILLIONS, model_config_overrides
-from vaswani_tx.params import count_parameters, load_model_config
+from vaswani_tx.interop.export import vaswani_to_marian
+from vaswani_tx.metrics.paper import (
+    ALL_MODEL_CONFIGS,
+    PAPER_VOCAB_SIZE,
+    TABLE3,
+    TOLERANCE_MILLIONS,
+    model_config_overrides,
+)
+from vaswani_tx.model.modeling_vaswani import sinusoidal_table
+from vaswani_tx.training.params import count_parameters, load_model_config
 
 REPO = Path(__file__).resolve().parents[1]
 PAD, BOS, EOS = 0, 2, 3
@@ -165,7 +171,7 @@ def test_source_padding_does_not_change_real_positions(attn):
 def test_a_mask_of_ones_is_no_mask_to_the_encoder(attn):
     """A source without padding (a sentence a call): the encoder skips its mask of ones, with the same output as
     the masked path (a mask of zeros added to every score) to the last bit, and the same attention weights."""
-    from vaswani_tx.skip_padding import PaddingPlan
+    from vaswani_tx.model.skip_padding import PaddingPlan
 
     model = tiny_model(attn_implementation=attn)
     ids, mask = batch(lengths=(6, 6))
@@ -228,7 +234,7 @@ def test_rows_rounded_up_under_cpu_bf16_add_padding_positions_and_change_nothing
     """Under CPU bf16 autocast the positions computed are rounded up to a multiple of ROWS_MULTIPLE_BF16_CPU with
     padding positions (a bounded set of matrix shapes); forced here in float32 to a multiple of 4, the loss and
     gradients stay those of computing everything."""
-    from vaswani_tx import skip_padding
+    from vaswani_tx.model import skip_padding
 
     mask = torch.tensor([[1, 1, 1, 0, 0], [1, 0, 0, 0, 0]])
     assert skip_padding.real_positions(mask).tolist() == [0, 1, 2, 5]

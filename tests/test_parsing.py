@@ -12,8 +12,8 @@ import pytest
 import torch
 import yaml
 
-from vaswani_tx import parsing
-from vaswani_tx.parsing import (
+from vaswani_tx.parsing import parsing
+from vaswani_tx.parsing.parsing import (
     PLACEHOLDER,
     Tree,
     TreebankFormatError,
@@ -285,7 +285,7 @@ def test_different_words_are_refused():
 
 
 def test_evaluate_module_gives_the_same_scores():
-    from vaswani_tx.evaluation import load_metric
+    from vaswani_tx.metrics.evaluation import load_metric
 
     gold = ["(S (NP (NP (NNS dogs))) (VP (VBP bark)))", "( (S (NP (DT a) (NN b)) (VP (VB c) (NP (NN d)))) )"]
     predicted = ["(S (NP (XX dogs)) (VP (XX bark)))", "(S (XX a) (X (XX b) (XX c)) (XX d))"]
@@ -300,9 +300,9 @@ def test_evaluate_module_gives_the_same_scores():
 
 
 def test_parser_configs_are_section_6_3():
-    from vaswani_tx.paper import PARSER_GENERATION
-    from vaswani_tx.params import load_model_config
-    from vaswani_tx.run_config import load_run_config
+    from vaswani_tx.metrics.paper import PARSER_GENERATION
+    from vaswani_tx.training.params import load_model_config
+    from vaswani_tx.training.run_config import load_run_config
 
     wsj = load_model_config(REPO / "configs" / "model" / "parser-wsj.json")
     assert (wsj.num_encoder_layers, wsj.num_decoder_layers, wsj.d_model, wsj.vocab_size) == (4, 4, 1024, 16000)
@@ -332,9 +332,9 @@ def test_parser_configs_are_section_6_3():
 
 def test_generation_block_becomes_the_saved_generation_config(tmp_path):
     from vaswani_tx import VaswaniConfig, VaswaniForConditionalGeneration
-    from vaswani_tx.paper import PARSER_GENERATION
-    from vaswani_tx.parse_run import set_parser_generation_defaults
-    from vaswani_tx.run_config import ConfigError
+    from vaswani_tx.metrics.paper import PARSER_GENERATION
+    from vaswani_tx.parsing.parse_run import set_parser_generation_defaults
+    from vaswani_tx.training.run_config import ConfigError
 
     model = VaswaniForConditionalGeneration(
         VaswaniConfig(vocab_size=40, d_model=16, num_heads=2, d_ff=24, num_encoder_layers=1, num_decoder_layers=1)
@@ -360,7 +360,7 @@ TINY_TREES = [
 def test_parse_command_trains_parses_and_scores(tmp_path, monkeypatch):
     from vaswani_tx import VaswaniConfig
     from vaswani_tx.cli import main
-    from vaswani_tx.tokenization import train_tokenizer
+    from vaswani_tx.data.tokenization import train_tokenizer
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "trees.txt").write_text("".join(t + "\n" for t in TINY_TREES * 3), encoding="utf-8")
@@ -507,7 +507,7 @@ def test_parse_run_with_word_classes_learns_them_and_parses_unseen_words(tmp_pat
     from transformers import GenerationConfig
 
     from vaswani_tx.cli import main
-    from vaswani_tx.tokenization import load_tokenizer
+    from vaswani_tx.data.tokenization import load_tokenizer
 
     monkeypatch.chdir(tmp_path)
     trees = TINY_TREES * 3 + ["(S (NP (NNP Kim)) (VP (VBD walked)))", "(S (NP (NNP Lee)) (VP (VBD talked)))"]
@@ -535,7 +535,7 @@ def test_parse_run_with_word_classes_learns_them_and_parses_unseen_words(tmp_pat
     assert GenerationConfig.from_pretrained("run/averaged").unknown_words == "classes"
     # the unseen words are read as classes and the tree keeps the words themselves
     assert read_treebank("run/test.parsed")[0].words() == ["Pat", "jumped", "."]
-    from vaswani_tx.tree_decoding import _with_classes
+    from vaswani_tx.parsing.tree_decoding import _with_classes
 
     tokenizer = load_tokenizer("run/tokenizer")
     mapped = _with_classes([["Pat", "jumped", "the", "zz9"]], tokenizer)

@@ -11,8 +11,8 @@ import textwrap
 import pytest
 from transformers import pipeline
 
-from vaswani_tx.errors import UserInputError
-from vaswani_tx.pipeline_vaswani import VaswaniTranslationPipeline
+from vaswani_tx.model.errors import UserInputError
+from vaswani_tx.model.pipeline_vaswani import VaswaniTranslationPipeline
 
 SENTENCES = ["Ein Hund läuft über die Wiese.", "Zwei Männer spielen Fußball.", "Eine Frau liest."]
 
@@ -153,7 +153,7 @@ def test_pipeline_refuses_another_models_tokenizer_of_the_same_size(saved_model,
 
     from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
 
-    from vaswani_tx.vocabulary import vocabulary_fingerprint
+    from vaswani_tx.model.vocabulary import vocabulary_fingerprint
 
     folder, _, tokenizer = saved_model
     model_folder = tmp_path / "model"

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from vaswani_tx import precision
-from vaswani_tx.errors import UserInputError
-from vaswani_tx.run_config import load_run_config
+from vaswani_tx.engine import precision
+from vaswani_tx.model.errors import UserInputError
+from vaswani_tx.training.run_config import load_run_config
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -25,14 +25,14 @@ def cpu(request, monkeypatch):
 
 
 def test_auto_is_bf16_exactly_where_the_cpu_has_bf16_instructions(cpu, caplog):
-    with caplog.at_level(logging.INFO, logger="vaswani_tx.precision"):
+    with caplog.at_level(logging.INFO, logger="vaswani_tx.engine.precision"):
         chosen = precision.decoding_dtype("auto", "cpu")
     assert chosen == (torch.bfloat16 if cpu else torch.float32)
     assert ("AMX" if cpu else "no bf16 instructions") in caplog.text  # says which and why
 
 
 def test_the_run_configs_say_auto_and_the_log_says_what_it_chose(cpu, caplog):
-    with caplog.at_level(logging.INFO, logger="vaswani_tx.precision"):
+    with caplog.at_level(logging.INFO, logger="vaswani_tx.engine.precision"):
         _, arguments = load_run_config(REPO / "configs/train/multi30k-en-de.yaml")
     assert arguments.bf16 is bool(cpu)
     assert "bf16: auto -> " + ("on" if cpu else "off (float32)") in caplog.text
@@ -43,7 +43,7 @@ def test_the_run_configs_say_auto_and_the_log_says_what_it_chose(cpu, caplog):
 def test_bf16_asked_for_on_a_cpu_without_it_is_one_warning_not_an_error(monkeypatch, caplog):
     monkeypatch.setattr(precision, "cpu_bf16_instructions", lambda: None)
     monkeypatch.setattr(precision, "training_device", lambda: torch.device("cpu"))
-    with caplog.at_level(logging.WARNING, logger="vaswani_tx.precision"):
+    with caplog.at_level(logging.WARNING, logger="vaswani_tx.engine.precision"):
         assert precision.decoding_dtype("bfloat16", "cpu") == torch.bfloat16
         assert precision.resolve_bf16_setting(True) is True
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]

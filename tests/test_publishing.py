@@ -11,7 +11,7 @@ import textwrap
 import pytest
 
 from vaswani_tx import VaswaniConfig, VaswaniForConditionalGeneration
-from vaswani_tx.publishing import REQUIRED_FILES, check_hub_folder, render_model_card, save_for_hub
+from vaswani_tx.interop.publishing import REQUIRED_FILES, check_hub_folder, render_model_card, save_for_hub
 
 CARD = dict(
     repo="someone/vaswani-tiny-de-en",
@@ -115,7 +115,7 @@ def test_push_to_hub_without_network_fails_fast_with_a_clear_message(model_and_t
         import torch, vaswani_tx
         from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
         vaswani_tx.register_auto_classes()
-        from vaswani_tx.publishing import push_to_hub
+        from vaswani_tx.interop.publishing import push_to_hub
         model = AutoModelForSeq2SeqLM.from_pretrained({str(tmp_path / "src")!r})
         tokenizer = AutoTokenizer.from_pretrained({str(tmp_path / "src")!r})
         card = {{k: v for k, v in {CARD!r}.items() if k != "repo"}}

@@ -95,7 +95,7 @@ def ws(tiny_translator, shared_data, tmp_path_factory) -> Path:
         (ws / f"test.{lang}").write_text("\n".join(lines[:12]) + "\n", encoding="utf-8")
         (ws / f"long.{lang}").write_text("\n".join(lines[:400]) + "\n", encoding="utf-8")
     (ws / "model.json").write_text(json.dumps(model.config.to_dict()), encoding="utf-8")
-    from vaswani_tx.export import export_marian
+    from vaswani_tx.interop.export import export_marian
 
     export_marian(ws / "model", ws / "marian")  # a source for `convert`, with its tokenizer
     return ws
@@ -443,7 +443,7 @@ def test_force_never_replaces_a_folder_holding_the_input(ws, tmp_path, capsys):
 
 
 def test_attention_maps_keep_the_earlier_ones(ws, tmp_path, capsys, monkeypatch):
-    import vaswani_tx.attention_maps
+    import vaswani_tx.demo.attention_maps
 
     out = tmp_path / "maps"
     argv = ["attention", str(ws / "model"), "--sentence", "A dog runs.", "--translation", "Ein Hund läuft.", "-o"]
@@ -452,7 +452,7 @@ def test_attention_maps_keep_the_earlier_ones(ws, tmp_path, capsys, monkeypatch)
     (out / "notes.txt").write_text("kept")
     before = tree_hash(out)
     assert main(argv) == 2 and "cross-layer1.png" in capsys.readouterr().err and tree_hash(out) == before
-    fail_part_way(monkeypatch, vaswani_tx.attention_maps, "plot_attention_maps", KeyboardInterrupt())
+    fail_part_way(monkeypatch, vaswani_tx.demo.attention_maps, "plot_attention_maps", KeyboardInterrupt())
     assert main([*argv, "--force"]) == 130
     assert tree_hash(out) == before and leftovers(tmp_path) == [] and leftovers(out) == []
 
@@ -509,7 +509,7 @@ def test_a_resumed_run_replaces_its_average_whole_and_says_what_went(ws, tmp_pat
     config = train_config(ws, tmp_path, run)
     assert main(["train", config]) == 0
     (run / "averaged" / "val.scores.json").write_text("{}")
-    with caplog.at_level("WARNING", logger="vaswani_tx.recipe"):
+    with caplog.at_level("WARNING", logger="vaswani_tx.training.recipe"):
         assert main(["train", config, "max_steps=3", "--resume"]) == 0
     averaged_from = json.loads((run / "averaged" / "averaged_from.json").read_text())["checkpoints"]
     assert [Path(c).name for c in averaged_from] == ["checkpoint-2", "checkpoint-3"]
@@ -518,7 +518,7 @@ def test_a_resumed_run_replaces_its_average_whole_and_says_what_went(ws, tmp_pat
 
 def test_an_interrupted_average_leaves_the_earlier_one(ws, tmp_path, monkeypatch):
     from vaswani_tx import VaswaniForConditionalGeneration
-    from vaswani_tx.checkpoints import average_checkpoints
+    from vaswani_tx.training.checkpoints import average_checkpoints
 
     out = tmp_path / "averaged"
     average_checkpoints([ws / "model"], out)

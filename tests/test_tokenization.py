@@ -8,8 +8,8 @@ import datasets
 import pytest
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from vaswani_tx.data import CorpusError, iter_lines
-from vaswani_tx.tokenization import (
+from vaswani_tx.data.data import CorpusError, iter_lines
+from vaswani_tx.data.tokenization import (
     BOS_TOKEN_ID,
     EOS_TOKEN_ID,
     PAD_TOKEN_ID,
@@ -118,7 +118,7 @@ def test_format_characters_are_dropped_by_trained_and_older_tokenizers(small_bpe
     step (which it keeps when saved again)."""
     import json
 
-    from vaswani_tx.tokenization import load_tokenizer
+    from vaswani_tx.data.tokenization import load_tokenizer
 
     clean = small_bpe(CLEAN)["input_ids"]
     assert all(small_bpe(text)["input_ids"] == clean for text in DIRTY)
@@ -272,7 +272,7 @@ def test_config_check_takes_a_converted_models_decoder_start(ids, start, message
 
 
 def test_config_check_with_vaswani_config(joint_tokenizers):
-    configuration = pytest.importorskip("vaswani_tx.configuration_vaswani")
+    configuration = pytest.importorskip("vaswani_tx.model.configuration_vaswani")
     check_tokenizer_fits_model(joint_tokenizers["bpe"], configuration.VaswaniConfig(vocab_size=4000))
     with pytest.raises(ValueError, match="vocab_size: config has 37000, tokenizer has 4000"):
         check_tokenizer_fits_model(joint_tokenizers["bpe"], configuration.VaswaniConfig())

@@ -22,7 +22,10 @@ from safetensors.torch import load_file
 
 import vaswani_tx
 from run_comparison import assert_same_run, losses
-from vaswani_tx.checkpoints import (
+from vaswani_tx.model.configuration_vaswani import VaswaniConfig
+from vaswani_tx.model.errors import UserInputError
+from vaswani_tx.model.modeling_vaswani import VaswaniForConditionalGeneration
+from vaswani_tx.training.checkpoints import (
     SAMPLER_STATE_NAME,
     CheckpointError,
     average_checkpoints,
@@ -30,13 +33,10 @@ from vaswani_tx.checkpoints import (
     check_sampler_state,
     resume_checkpoint,
 )
-from vaswani_tx.configuration_vaswani import VaswaniConfig
-from vaswani_tx.errors import UserInputError
-from vaswani_tx.modeling_vaswani import VaswaniForConditionalGeneration
-from vaswani_tx.params import load_model_config
-from vaswani_tx.recipe import train
-from vaswani_tx.run_config import ConfigError, load_run_config
-from vaswani_tx.training import get_paper_schedule, label_smoothed_loss, paper_learning_rate
+from vaswani_tx.training.params import load_model_config
+from vaswani_tx.training.recipe import train
+from vaswani_tx.training.run_config import ConfigError, load_run_config
+from vaswani_tx.training.training import get_paper_schedule, label_smoothed_loss, paper_learning_rate
 
 vaswani_tx.register_auto_classes()  # AutoModelForSeq2SeqLM reads averaged folders below
 
@@ -145,7 +145,7 @@ def _padded_batch(model, *more: dict):
 
 
 def test_trainer_loss_on_a_padded_batch_equals_hand_computation(tmp_path):
-    from vaswani_tx.training import VaswaniTrainer
+    from vaswani_tx.training.training import VaswaniTrainer
 
     config = _tiny_config(vocab_size=40)
     torch.manual_seed(0)
@@ -165,7 +165,7 @@ def test_loss_computed_in_the_model_equals_the_loss_on_its_logits_with_the_same_
     """VaswaniTrainer lets our model smooth its own loss at the labelled positions (labels kept in the inputs);
     the Trainer's route through the whole logits (LabelSmoothedCrossEntropy) must give the same loss and gradients,
     with the step's token count as the Trainer passes it under gradient accumulation."""
-    from vaswani_tx.training import LabelSmoothedCrossEntropy, VaswaniTrainer
+    from vaswani_tx.training.training import LabelSmoothedCrossEntropy, VaswaniTrainer
 
     config = _tiny_config(vocab_size=40)
     torch.manual_seed(0)
@@ -208,7 +208,7 @@ def test_freed_memory_goes_back_every_few_steps_and_after_each_evaluation(tmp_pa
 
     from transformers import Seq2SeqTrainingArguments, TrainerControl
 
-    from vaswani_tx.training import (
+    from vaswani_tx.training.training import (
         M_MMAP_MAX,
         M_TRIM_THRESHOLD,
         ReturnFreedMemory,
@@ -286,7 +286,7 @@ def _tiny_config(vocab_size: int, dropout: float = 0.1) -> VaswaniConfig:
 @pytest.fixture(scope="module")
 def tiny_recipe(shared_data, tmp_path_factory) -> dict:
     """Corpus files, a tokenizer and a model config for tiny runs; returns a run-config dict."""
-    from vaswani_tx.tokenization import train_tokenizer
+    from vaswani_tx.data.tokenization import train_tokenizer
 
     folder = tmp_path_factory.mktemp("tiny")
     for split, count in (("train", PAIRS), ("val", 12)):
@@ -615,7 +615,7 @@ def test_shipped_run_configs_load_and_start_with_their_command(name):
 def test_training_flops_equal_torch_flop_counter():
     from torch.utils.flop_counter import FlopCounterMode
 
-    from vaswani_tx.params import training_flops
+    from vaswani_tx.training.params import training_flops
 
     config = VaswaniConfig(
         vocab_size=40,
@@ -673,7 +673,7 @@ def test_evaluation_logs_dev_loss_bleu_and_the_signature(tiny_recipe, tmp_path, 
 def test_timed_checkpoint_callback_asks_for_a_save_once_the_minutes_have_passed():
     from transformers import TrainerControl, TrainerState
 
-    from vaswani_tx.checkpoints import TimedCheckpointCallback
+    from vaswani_tx.training.checkpoints import TimedCheckpointCallback
 
     callback = TimedCheckpointCallback(minutes=10)
     control = TrainerControl()
@@ -714,7 +714,7 @@ def test_train_command_takes_overrides_before_or_after_resume(monkeypatch):
 
 
 def test_curves_draw_dev_bleu_against_minutes_where_the_history_has_them(tmp_path):
-    from vaswani_tx.recipe import _interpolate, plot_curves
+    from vaswani_tx.training.recipe import _interpolate, plot_curves
 
     history = [{"loss": 5.0 - s / 100, "step": s, "train_minutes": s / 60} for s in range(10, 110, 10)]
     history += [

@@ -1,4 +1,4 @@
-"""`vaswani-tx translate` / `evaluate` and `vaswani_tx.translation`: batching, order, empty lines, bad input."""
+"""`vaswani-tx translate` / `evaluate` and `vaswani_tx.engine.translation`: batching, order, empty lines, bad input."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import torch
 
 from vaswani_tx import VaswaniConfig, VaswaniForConditionalGeneration
 from vaswani_tx.cli import main as cli_main
-from vaswani_tx.translation import load_translator, one_line, plan_batches, translate
+from vaswani_tx.engine.translation import load_translator, one_line, plan_batches, translate
 
 REPO = Path(__file__).resolve().parents[1]
 LINES = [
@@ -145,7 +145,7 @@ def _older_tokenizer_folder(folder: Path, out: Path) -> Path:
 def test_a_bom_and_zero_width_characters_do_not_change_the_translation(tiny_translator, translator, tmp_path, capsys):
     from transformers import AutoTokenizer
 
-    from vaswani_tx.translation import Translator
+    from vaswani_tx.engine.translation import Translator
 
     expected = greedy(translator, CLEAN)
     assert greedy(translator, DIRTY) == expected
@@ -171,10 +171,10 @@ def test_a_line_longer_than_the_models_positions_is_reported_with_its_number(tin
     short.save_pretrained(tmp_path / "short")
     tokenizer.save_pretrained(tmp_path / "short")
     lines = ["Ein Hund.", " ".join(["Ein Hund läuft über die Wiese."] * 4), "Ein Mann."]
-    with caplog.at_level("WARNING", logger="vaswani_tx.translation"):
+    with caplog.at_level("WARNING", logger="vaswani_tx.engine.translation"):
         outputs = greedy(load_translator(tmp_path / "short"), lines)
     assert len(outputs) == 3 and all(outputs)  # translated all the same: sinusoids extend past the positions
-    warnings = [record.getMessage() for record in caplog.records if record.name == "vaswani_tx.translation"]
+    warnings = [record.getMessage() for record in caplog.records if record.name == "vaswani_tx.engine.translation"]
     assert len(warnings) == 1, warnings
     assert warnings[0].startswith("line 2 is ") and "12 positions" in warnings[0] and "may stop early" in warnings[0]
 
@@ -290,7 +290,7 @@ def test_set(tiny_translator, tmp_path_factory, shared_data):
 
 
 def test_evaluate_translates_scores_and_saves(tiny_translator, translator, test_set, tmp_path, capsys):
-    from vaswani_tx.evaluation import read_lines, score
+    from vaswani_tx.metrics.evaluation import read_lines, score
 
     out = tmp_path / "eval"
     assert (
@@ -358,7 +358,7 @@ def test_evaluate_takes_wmt14_through_datasets(tiny_translator, tmp_path, monkey
             {"source": ["A dog runs.", "Two men."], "target": ["Ein Hund.", "Zwei Männer."]}
         )
 
-    monkeypatch.setattr("vaswani_tx.data.load_wmt14", fake_load_wmt14)
+    monkeypatch.setattr("vaswani_tx.data.data.load_wmt14", fake_load_wmt14)
     assert (
         cli_main(
             [

@@ -8,9 +8,9 @@ import math
 import pytest
 import torch
 
-from vaswani_tx.parsing import delinearize
-from vaswani_tx.translation import load_translator
-from vaswani_tx.tree_decoding import TreeConstraint, parse
+from vaswani_tx.engine.translation import load_translator
+from vaswani_tx.parsing.parsing import delinearize
+from vaswani_tx.parsing.tree_decoding import TreeConstraint, parse
 
 # a word-level parser vocabulary: specials, brackets, the leaf, and words that must never be generated
 TOKENS = ["<pad>", "<unk>", "<s>", "</s>", "(S", ")S", "(NP", ")NP", "(VP", ")VP", "XX", "dog", "runs", "the", "."]
@@ -120,7 +120,7 @@ def test_a_vocabulary_without_whole_brackets_is_refused():
 def tiny_parser(tmp_path_factory):
     """A random tiny model with a word-level vocabulary: what it generates is arbitrary, as needed here."""
     from vaswani_tx import VaswaniConfig, VaswaniForConditionalGeneration
-    from vaswani_tx.tokenization import train_tokenizer
+    from vaswani_tx.data.tokenization import train_tokenizer
 
     folder = tmp_path_factory.mktemp("parser")
     text = folder / "corpus.txt"

@@ -19,28 +19,33 @@ __version__ = "0.1.0"
 
 # name -> the module that defines it
 _CLASSES = {
-    "VaswaniConfig": "configuration_vaswani",
-    "VaswaniForConditionalGeneration": "modeling_vaswani",
-    "VaswaniModel": "modeling_vaswani",
-    "VaswaniPreTrainedModel": "modeling_vaswani",
-    "GNMTLengthPenalty": "generation_vaswani",
-    "paper_generation_config": "generation_vaswani",
-    "FairseqTokenizer": "tokenization_fairseq",
-    "decoding_dtype": "precision",
+    "VaswaniConfig": "model.configuration_vaswani",
+    "VaswaniForConditionalGeneration": "model.modeling_vaswani",
+    "VaswaniModel": "model.modeling_vaswani",
+    "VaswaniPreTrainedModel": "model.modeling_vaswani",
+    "GNMTLengthPenalty": "model.generation_vaswani",
+    "paper_generation_config": "model.generation_vaswani",
+    "FairseqTokenizer": "data.tokenization_fairseq",
+    "decoding_dtype": "engine.precision",
+    "train_tokenizer": "data.tokenization",
+    "load_tokenizer": "data.tokenization",
 }
+# the modules whose import registers classes with transformers' Auto classes
+_REGISTERING = ("model.configuration_vaswani", "model.modeling_vaswani", "data.tokenization")
 
 if TYPE_CHECKING:
-    from .configuration_vaswani import VaswaniConfig
-    from .generation_vaswani import GNMTLengthPenalty, paper_generation_config
-    from .modeling_vaswani import VaswaniForConditionalGeneration, VaswaniModel, VaswaniPreTrainedModel
-    from .precision import decoding_dtype
-    from .tokenization_fairseq import FairseqTokenizer
+    from vaswani_tx.data.tokenization import load_tokenizer, train_tokenizer
+    from vaswani_tx.data.tokenization_fairseq import FairseqTokenizer
+    from vaswani_tx.engine.precision import decoding_dtype
+    from vaswani_tx.model.configuration_vaswani import VaswaniConfig
+    from vaswani_tx.model.generation_vaswani import GNMTLengthPenalty, paper_generation_config
+    from vaswani_tx.model.modeling_vaswani import VaswaniForConditionalGeneration, VaswaniModel, VaswaniPreTrainedModel
 
 
 def register_auto_classes() -> None:
     """Register the config, the models and `FairseqTokenizer` with transformers' Auto classes (each module
     registers its own classes when imported; this imports them all). Idempotent."""
-    for module in dict.fromkeys(_CLASSES.values()):
+    for module in _REGISTERING:
         importlib.import_module(f".{module}", __name__)
 
 
@@ -63,6 +68,8 @@ __all__ = [
     "VaswaniModel",
     "VaswaniPreTrainedModel",
     "decoding_dtype",
+    "load_tokenizer",
     "paper_generation_config",
     "register_auto_classes",
+    "train_tokenizer",
 ]

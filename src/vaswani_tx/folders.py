@@ -10,7 +10,7 @@
 - :class:`RunLock` is the lock ``train`` holds on ``output_dir`` while it writes it: a second run on the
   same folder is refused, naming the process that holds it; a lock left by a killed run is taken over.
 
-Its refusals are :class:`~vaswani_tx.errors.UserInputError` (a missing or unwritable location: the ``OSError``
+Its refusals are :class:`~vaswani_tx.model.errors.UserInputError` (a missing or unwritable location: the ``OSError``
 that names it). Standard library only: a command's checks never wait on torch or transformers.
 """
 
@@ -24,7 +24,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from vaswani_tx.errors import UserInputError
+from vaswani_tx.model.errors import UserInputError
 
 LOCK_NAME = ".vaswani-train.lock"
 
@@ -229,3 +229,28 @@ class RunLock:
 
     def __exit__(self, *exc) -> None:
         self.release()
+
+
+class CheckpointError(UserInputError):
+    """A checkpoint folder or file that is missing files, truncated, corrupt, unsafe to read or incompatible;
+    the message names it."""
+
+
+def check_safetensors(path: str | os.PathLike) -> None:
+    """Refuse a safetensors file whose header does not parse or whose tensors do not fill the file exactly
+    (a copy or download cut short)."""
+    path = Path(path)
+    size = path.stat().st_size
+    try:
+        with open(path, "rb") as handle:
+            header_length = int.from_bytes(handle.read(8), "little")
+            if size < 8 or 8 + header_length > size:
+                raise ValueError("the header runs past the end of the file")
+            header = json.loads(handle.read(header_length))
+        end = max((entry["data_offsets"][1] for key, entry in header.items() if key != "__metadata__"), default=0)
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError) as err:
+        raise CheckpointError(f"{path} is not a readable safetensors file ({err})") from None
+    if 8 + header_length + end != size:
+        raise CheckpointError(
+            f"{path} is truncated or corrupt: its header describes {8 + header_length + end} bytes, the file has {size}"
+        )

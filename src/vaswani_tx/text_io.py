@@ -5,11 +5,11 @@ U+0085 and friends and misalign a parallel corpus); a final ``\\n`` ends the las
 starting an empty one; a Windows ``\\r`` before the ``\\n`` is dropped; a byte-order mark at the start of
 the file (U+FEFF, as Windows editors write it) is the encoding's signature, not text, and is dropped
 (Python's ``utf-8-sig``); anywhere else U+FEFF is a character like any other, which the tokenizers drop
-(``vaswani_tx.vocabulary.drop_format_characters``). Bytes that are not UTF-8 raise :class:`CorpusError`
+(``vaswani_tx.model.vocabulary.drop_format_characters``). Bytes that are not UTF-8 raise :class:`CorpusError`
 naming the file, the line and the byte.
 
-Light on purpose (no ``datasets``, no torch): ``vaswani_tx.data`` reads corpora through it and
-``vaswani_tx.evaluation`` reads hypotheses and references through it.
+Light on purpose (no ``datasets``, no torch): ``vaswani_tx.data.data`` reads corpora through it and
+``vaswani_tx.metrics.evaluation`` reads hypotheses and references through it.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import codecs
 import os
 from collections.abc import Iterable, Iterator
 
-from vaswani_tx.errors import UserInputError
+from vaswani_tx.model.errors import UserInputError
 
 
 class CorpusError(UserInputError):

@@ -18,7 +18,7 @@ import importlib
 import logging
 import sys
 
-from vaswani_tx.errors import UserInputError
+from vaswani_tx.model.errors import UserInputError
 
 # command name -> (module under vaswani_tx.cli, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -109,9 +109,9 @@ class _StderrLines(logging.Handler):
 
 @contextlib.contextmanager
 def precision_choices_shown(command: str):
-    """While a command runs, what `bf16: auto` and `--dtype auto` chose and why (vaswani_tx.precision's log) goes
+    """While a command runs, what `bf16: auto` and `--dtype auto` chose and why (vaswani_tx.engine.precision's log) goes
     to stderr, one line each."""
-    log = logging.getLogger("vaswani_tx.precision")
+    log = logging.getLogger("vaswani_tx.engine.precision")
     saved = log.level, log.propagate
     handler = _StderrLines(command)
     log.addHandler(handler)

@@ -37,10 +37,10 @@ def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from vaswani_tx.atomic import atomic_folder
-    from vaswani_tx.attention_maps import plot_attention_maps
-    from vaswani_tx.errors import UserInputError
+    from vaswani_tx.demo.attention_maps import plot_attention_maps
+    from vaswani_tx.engine.translation import load_translator
     from vaswani_tx.folders import check_writable, refuse_to_replace
-    from vaswani_tx.translation import load_translator
+    from vaswani_tx.model.errors import UserInputError
 
     layers = None if args.layers is None else [n - 1 for n in args.layers]
     if not args.source.strip():

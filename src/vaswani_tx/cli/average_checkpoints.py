@@ -47,13 +47,13 @@ def run(args: argparse.Namespace) -> int:
     import sys
     from pathlib import Path
 
-    from vaswani_tx.checkpoints import (
+    from vaswani_tx.folders import check_writable, refuse_to_overwrite
+    from vaswani_tx.training.checkpoints import (
         CheckpointError,
         average_checkpoints,
         average_last_checkpoints,
         checkpoint_folders,
     )
-    from vaswani_tx.folders import check_writable, refuse_to_overwrite
 
     if args.last < 1:
         return fail("average-checkpoints", f"--last must be >= 1, got {args.last}")

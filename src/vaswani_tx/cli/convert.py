@@ -34,7 +34,7 @@ def run(args: argparse.Namespace) -> int:
 
     out = output_dir(args)
     refuse_to_overwrite(out, args.force, inputs=[args.source])
-    from vaswani_tx.convert import convert, describe_decoding
+    from vaswani_tx.interop.convert import convert, describe_decoding
 
     out = convert(args.source, out)
     print(f"converted {args.source} -> {out}")

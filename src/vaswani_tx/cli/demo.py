@@ -61,7 +61,7 @@ def unusable_address(host: str, port: int) -> str | None:
 def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from vaswani_tx.demo import build_demo, serve, write_space
+    from vaswani_tx.demo.demo import build_demo, serve, write_space
 
     if args.write_space is None:
         if args.repo_id is not None or args.force:
@@ -74,8 +74,8 @@ def run(args: argparse.Namespace) -> int:
         serve(build_demo(args.model, device=args.device, dtype=args.dtype, int8=args.int8), args.host, args.port)
         return 0
     from vaswani_tx.atomic import atomic_folder
+    from vaswani_tx.engine.translation import check_model_folder
     from vaswani_tx.folders import refuse_to_overwrite
-    from vaswani_tx.translation import check_model_folder
 
     if args.repo_id is None or not REPO_ID.fullmatch(args.repo_id):
         given = "none given" if args.repo_id is None else f"got {args.repo_id!r}"

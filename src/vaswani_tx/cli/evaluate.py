@@ -75,13 +75,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _test_set(args: argparse.Namespace) -> tuple[str, str, list[str], list[list[str]]]:
     """(name, target language, sources, references per sentence) from the arguments."""
-    from vaswani_tx.errors import UserInputError
-    from vaswani_tx.evaluation import read_references, read_text
+    from vaswani_tx.metrics.evaluation import read_references, read_text
+    from vaswani_tx.model.errors import UserInputError
 
     if bool(args.wmt14) == bool(args.source):
         raise UserInputError("give either --source and --reference files or --wmt14 SRC-TGT")
     if args.wmt14:
-        from vaswani_tx.data import load_wmt14
+        from vaswani_tx.data.data import load_wmt14
 
         source_lang, _, target_lang = args.wmt14.partition("-")
         data = load_wmt14(
@@ -105,10 +105,10 @@ def _test_set(args: argparse.Namespace) -> tuple[str, str, list[str], list[list[
 
 def run(args: argparse.Namespace) -> int:
     from vaswani_tx.atomic import atomic_file
-    from vaswani_tx.errors import UserInputError
-    from vaswani_tx.evaluation import score
+    from vaswani_tx.engine.translation import load_translator
     from vaswani_tx.folders import check_writable, refuse_to_replace
-    from vaswani_tx.translation import load_translator
+    from vaswani_tx.metrics.evaluation import score
+    from vaswani_tx.model.errors import UserInputError
 
     problem = check_decoding_arguments(args)
     if problem:

@@ -19,7 +19,7 @@ from vaswani_tx.cli import add_output_dir_argument, fail, output_dir
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from vaswani_tx.export import QUANTIZATIONS
+    from vaswani_tx.interop.export import QUANTIZATIONS
 
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.add_argument("model", help="saved model folder (config.json, weights, tokenizer.json)")
@@ -41,7 +41,7 @@ def run(args: argparse.Namespace) -> int:
     out = output_dir(args)
     if importlib.util.find_spec("ctranslate2") is None:
         return fail("export-ct2", "CTranslate2 export needs the optional extra: pip install 'vaswani_tx[ct2]'")
-    from vaswani_tx.export import export_ct2
+    from vaswani_tx.interop.export import export_ct2
 
     out = export_ct2(args.model, out, quantization=args.quantization, force=args.force)
     print(f"wrote CTranslate2 model to {out}" + (f" ({args.quantization})" if args.quantization else ""))

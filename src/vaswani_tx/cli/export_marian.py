@@ -32,8 +32,8 @@ def run(args: argparse.Namespace) -> int:
 
     out = output_dir(args)
     refuse_to_overwrite(out, args.force, inputs=[args.model])
-    from vaswani_tx.export import export_marian
-    from vaswani_tx.translation import check_model_folder
+    from vaswani_tx.engine.translation import check_model_folder
+    from vaswani_tx.interop.export import export_marian
 
     check_model_folder(args.model)  # another model type names `vaswani-tx convert`; truncated weights
     out = export_marian(args.model, out)  # replaces a folder of ours (--force) whole: none of our code files stay

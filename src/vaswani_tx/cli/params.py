@@ -21,7 +21,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from vaswani_tx.params import parameter_table
+    from vaswani_tx.training.params import parameter_table
 
     files = []
     for path in args.paths:

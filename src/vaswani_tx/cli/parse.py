@@ -118,12 +118,12 @@ def run(args: argparse.Namespace) -> int:
     import logging
     import sys
 
-    from vaswani_tx import parsing
-    from vaswani_tx.errors import UserInputError
-    from vaswani_tx.evaluation import read_lines
-    from vaswani_tx.parse_run import run_recipe
-    from vaswani_tx.recipe import end_distributed
-    from vaswani_tx.tree_decoding import parse
+    from vaswani_tx.metrics.evaluation import read_lines
+    from vaswani_tx.model.errors import UserInputError
+    from vaswani_tx.parsing import parsing
+    from vaswani_tx.parsing.parse_run import run_recipe
+    from vaswani_tx.parsing.tree_decoding import parse
+    from vaswani_tx.training.recipe import end_distributed
 
     for option in ("num_beams", "batch_size", "max_length"):
         value = getattr(args, option, None)

@@ -96,7 +96,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _load(args: argparse.Namespace):
-    from vaswani_tx import data
+    from vaswani_tx.data import data
 
     if args.source_file:
         return data.read_parallel_files(args.source_file, args.target_file, cache_dir=args.cache_dir)
@@ -118,8 +118,8 @@ def _load(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
-    from vaswani_tx import data
-    from vaswani_tx.tokenization import load_tokenizer, vocabulary_fingerprint
+    from vaswani_tx.data import data
+    from vaswani_tx.data.tokenization import load_tokenizer, vocabulary_fingerprint
 
     given = [name for name in ("source_file", "tsv", "jsonl", "wmt14") if getattr(args, name)]
     if len(given) != 1 or bool(args.source_file) != bool(args.target_file):

@@ -54,9 +54,9 @@ def run(args: argparse.Namespace) -> int:
     import os
     import sys
 
-    from vaswani_tx.checkpoints import complete_checkpoints
-    from vaswani_tx.recipe import end_distributed, train
-    from vaswani_tx.run_config import load_run_config
+    from vaswani_tx.training.checkpoints import complete_checkpoints
+    from vaswani_tx.training.recipe import end_distributed, train
+    from vaswani_tx.training.run_config import load_run_config
 
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
     arguments = None
@@ -64,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
         # a plan computes, so it reads a config for any machine: bf16 and tf32 are not checked against this one
         recipe, arguments = load_run_config(args.config, args.overrides, check_device=not args.dry_run)
         if args.dry_run:
-            from vaswani_tx.plan import describe_plan, run_plan
+            from vaswani_tx.training.plan import describe_plan, run_plan
 
             if arguments.process_index == 0:
                 print(describe_plan(run_plan(recipe, arguments)))

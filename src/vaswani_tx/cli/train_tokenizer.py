@@ -66,9 +66,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from vaswani_tx.atomic import atomic_folder
-    from vaswani_tx.data import load_wmt14
+    from vaswani_tx.data.data import load_wmt14
+    from vaswani_tx.data.tokenization import train_tokenizer
     from vaswani_tx.folders import check_writable, refuse_to_overwrite
-    from vaswani_tx.tokenization import train_tokenizer
 
     if bool(args.files) == bool(args.wmt14):
         return fail("train-tokenizer", "give either text FILEs or --wmt14 SRC-TGT (see --help)")

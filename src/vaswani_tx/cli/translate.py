@@ -99,8 +99,8 @@ def check_decoding_arguments(args: argparse.Namespace) -> str | None:
             return f"--{option.replace('_', '-')} must be >= {least}, got {value}"
     if args.length_penalty is not None and not math.isfinite(args.length_penalty):
         return f"--length-penalty must be a finite number, got {args.length_penalty}"
-    from vaswani_tx.errors import UserInputError
-    from vaswani_tx.translation import resolve_device
+    from vaswani_tx.engine.translation import resolve_device
+    from vaswani_tx.model.errors import UserInputError
 
     try:
         resolve_device(args.device)
@@ -126,8 +126,8 @@ def decoding_options(args: argparse.Namespace) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
+    from vaswani_tx.engine.translation import load_translator, read_text, write_lines
     from vaswani_tx.folders import check_writable, refuse_to_replace
-    from vaswani_tx.translation import load_translator, read_text, write_lines
 
     if args.sentences and args.input:
         return fail("translate", "give sentences or --input FILE, not both")

@@ -1,1 +1,1 @@
-"""The ``vaswani_bleu`` metric module: ``evaluate.load`` its file, ``vaswani_bleu.py`` (see ``vaswani_tx.evaluation.load_metric``)."""
+"""The ``vaswani_bleu`` metric module: ``evaluate.load`` its file, ``vaswani_bleu.py`` (see ``vaswani_tx.metrics.evaluation.load_metric``)."""

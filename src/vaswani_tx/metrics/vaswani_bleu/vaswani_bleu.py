@@ -1,7 +1,7 @@
 """`vaswani_bleu`: detokenized sacreBLEU, chrF and the paper's tokenized BLEU, side by side.
 
 An ``evaluate`` metric module that loads offline from the installed package
-(``vaswani_tx.evaluation.load_metric()``, or ``evaluate.load(<path of this file>)``). It imports only
+(``vaswani_tx.metrics.evaluation.load_metric()``, or ``evaluate.load(<path of this file>)``). It imports only
 ``evaluate``, ``datasets``, ``sacrebleu`` and ``sacremoses``, because ``evaluate`` copies this one file
 into its module cache and imports it from there.
 

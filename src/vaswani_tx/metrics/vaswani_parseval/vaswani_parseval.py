@@ -1,11 +1,11 @@
 """`vaswani_parseval`: labelled bracketing precision, recall and F1 with EVALB's conventions (paper Section 6.3).
 
 An ``evaluate`` metric module that loads offline from the installed package
-(``vaswani_tx.evaluation.load_metric(name="vaswani_parseval")``, or ``evaluate.load(<path of this file>)``).
+(``vaswani_tx.metrics.evaluation.load_metric(name="vaswani_parseval")``, or ``evaluate.load(<path of this file>)``).
 ``evaluate`` copies this one file into its module cache and imports it from there, so it imports only
 ``evaluate`` and ``datasets``; the tree reader, the normalisation and the scorer all live here, and
-``vaswani_tx.parsing`` imports them from this file (one copy of the code). Where ``vaswani_tx`` is
-installed, its errors for bad trees are ``vaswani_tx.errors.UserInputError`` (the CLI's exit 2); without
+``vaswani_tx.parsing.parsing`` imports them from this file (one copy of the code). Where ``vaswani_tx`` is
+installed, its errors for bad trees are ``vaswani_tx.model.errors.UserInputError`` (the CLI's exit 2); without
 it, plain ``ValueError``.
 
 Scoring follows EVALB (Sekine and Collins, 1997) with the ``COLLINS.prm`` parameters that every WSJ
@@ -47,7 +47,7 @@ import evaluate
 # Bad trees are user input inside vaswani_tx; evaluate's own copy of this file needs no vaswani_tx (its scan
 # for required packages reads unindented imports only).
 try:
-    from vaswani_tx.errors import UserInputError
+    from vaswani_tx.model.errors import UserInputError
 except ImportError:
     UserInputError = ValueError
 

@@ -17,7 +17,7 @@ Normalisation, applied before anything else and the only thing decoding does not
 0. U+FEFF (a byte-order mark), U+200B ZERO WIDTH SPACE and U+2060 WORD JOINER are dropped wherever they
    are (``vocabulary.FORMAT_CHARACTERS``): invisible, meaningless to a translation, and otherwise encoded
    as byte tokens no training sentence had. Tokenizers trained before this step existed get it when
-   :func:`load_tokenizer` (or ``vaswani_tx.translation.load_translator``) loads them, and the commands and
+   :func:`load_tokenizer` (or ``vaswani_tx.engine.translation.load_translator``) loads them, and the commands and
    the pipeline drop the characters from the text too (converted Marian and fairseq tokenizers included);
 1. Unicode NFC (a no-op on the shared WMT13 and Multi30k files; NFKC was rejected because it also
    rewrites real characters, e.g. U+00B5 MICRO SIGN in newstest2013 ``dev.fr``);
@@ -51,11 +51,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
-from transformers import PreTrainedTokenizerFast
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from vaswani_tx.errors import UserInputError
-from vaswani_tx.text_io import iter_lines
-from vaswani_tx.vocabulary import (
+from vaswani_tx.data.tokenization_fairseq import FairseqTokenizer
+from vaswani_tx.model.configuration_vaswani import VaswaniConfig
+from vaswani_tx.model.errors import UserInputError
+from vaswani_tx.model.vocabulary import (
     BOS_TOKEN_ID,
     EOS_TOKEN_ID,
     FORMAT_CHARACTERS,
@@ -64,6 +65,7 @@ from vaswani_tx.vocabulary import (
     check_tokenizer_fits_model,
     vocabulary_fingerprint,
 )
+from vaswani_tx.text_io import iter_lines
 
 if TYPE_CHECKING:
     import datasets
@@ -278,10 +280,6 @@ def drop_format_characters_in(tokenizer):
 def load_tokenizer(folder: str | os.PathLike) -> PreTrainedTokenizerFast:
     """Load a tokenizer saved by ``save_pretrained`` (``AutoTokenizer`` with a clear error for a wrong folder),
     dropping the format characters of step 0 (`drop_format_characters_in`)."""
-    from transformers import AutoTokenizer
-
-    import vaswani_tx.tokenization_fairseq  # noqa: F401  (registers FairseqTokenizer with AutoTokenizer)
-
     if not (Path(folder) / "tokenizer.json").is_file():
         raise FileNotFoundError(f"{folder} holds no tokenizer.json; create one with `vaswani-tx train-tokenizer`")
     try:
@@ -290,6 +288,9 @@ def load_tokenizer(folder: str | os.PathLike) -> PreTrainedTokenizerFast:
         raise UserInputError(f"{folder} holds no tokenizer that AutoTokenizer can load ({err})") from err
     return drop_format_characters_in(tokenizer)
 
+
+# converted fairseq and FSMT folders name FairseqTokenizer in tokenizer_config.json: found without remote code
+AutoTokenizer.register(VaswaniConfig, tokenizer_class=FairseqTokenizer, exist_ok=True)
 
 __all__ = [
     "BOS_TOKEN",

@@ -1,13 +1,13 @@
 """The run: a resumable training run from a run config (Section 5), and its curves.
 
-- :func:`train` runs a recipe (a :class:`~vaswani_tx.run_config.RecipeConfig` and the Trainer's arguments,
-  from :func:`~vaswani_tx.run_config.load_run_config`): the tokenizer (trained when missing), the cleaned data,
-  the model, and :class:`~vaswani_tx.training.VaswaniTrainer` with the checkpoint callbacks of
-  ``vaswani_tx.checkpoints``; ``--resume`` continues from the last good checkpoint.
+- :func:`train` runs a recipe (a :class:`~vaswani_tx.training.run_config.RecipeConfig` and the Trainer's arguments,
+  from :func:`~vaswani_tx.training.run_config.load_run_config`): the tokenizer (trained when missing), the cleaned data,
+  the model, and :class:`~vaswani_tx.training.training.VaswaniTrainer` with the checkpoint callbacks of
+  ``vaswani_tx.training.checkpoints``; ``--resume`` continues from the last good checkpoint.
 - :func:`set_generation_defaults` stores the run config's decoding settings in the model;
   :func:`plot_curves` draws the training and dev curves (``curves.png``).
 
-A run of another task on the same model (the parser: ``vaswani_tx.parse_run``) passes in its callbacks and the
+A run of another task on the same model (the parser: ``vaswani_tx.parsing.parse_run``) passes in its callbacks and the
 generation fields its decoding reads, so that the run stays the translation recipe's, with no parser field in it.
 """
 
@@ -31,9 +31,20 @@ from transformers import (
     set_seed,
 )
 
-from vaswani_tx import data
 from vaswani_tx.atomic import atomic_file, atomic_folder
-from vaswani_tx.checkpoints import (
+from vaswani_tx.data import data
+from vaswani_tx.data.tokenization import (
+    check_tokenizer_fits_model,
+    load_tokenizer,
+    train_tokenizer,
+    vocabulary_fingerprint,
+)
+from vaswani_tx.engine.precision import training_attention
+from vaswani_tx.folders import RunLock, check_writable
+from vaswani_tx.metrics.evaluation import make_compute_metrics
+from vaswani_tx.model.errors import UserInputError
+from vaswani_tx.model.modeling_vaswani import VaswaniForConditionalGeneration
+from vaswani_tx.training.checkpoints import (
     SamplerStateCallback,
     TimedCheckpointCallback,
     TrainingClock,
@@ -45,20 +56,9 @@ from vaswani_tx.checkpoints import (
     replaced_average,
     resume_checkpoint,
 )
-from vaswani_tx.errors import UserInputError
-from vaswani_tx.evaluation import make_compute_metrics
-from vaswani_tx.folders import RunLock, check_writable
-from vaswani_tx.modeling_vaswani import VaswaniForConditionalGeneration
-from vaswani_tx.params import load_model_config
-from vaswani_tx.precision import training_attention
-from vaswani_tx.run_config import ConfigError, RecipeConfig, check_paths
-from vaswani_tx.tokenization import (
-    check_tokenizer_fits_model,
-    load_tokenizer,
-    train_tokenizer,
-    vocabulary_fingerprint,
-)
-from vaswani_tx.training import VaswaniTrainer
+from vaswani_tx.training.params import load_model_config
+from vaswani_tx.training.run_config import ConfigError, RecipeConfig, check_paths
+from vaswani_tx.training.training import VaswaniTrainer
 
 logger = logging.getLogger(__name__)
 
@@ -332,7 +332,7 @@ def end_distributed() -> None:
 def set_generation_defaults(model, values: dict[str, Any], extra_fields: Sequence[str] = ()) -> None:
     """Replace fields of ``model.generation_config`` (the run config's ``generation:`` block); ``extra_fields``
     are the keys, beyond ``GenerationConfig``'s own, that a task's decoding reads from it (the parser's
-    ``tree_leaves``: ``vaswani_tx.parse_run``).
+    ``tree_leaves``: ``vaswani_tx.parsing.parse_run``).
 
     Checkpoints and the final model save it, so ``generate()`` and ``vaswani-tx translate`` decode with
     these defaults unchanged (e.g. Section 6.3's beam 21, alpha 0.3, input length + 300).

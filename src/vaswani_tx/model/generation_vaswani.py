@@ -130,29 +130,6 @@ def paper_generation_config(config) -> GenerationConfig:
     )
 
 
-def fairseq_generation_config(config, beam: int = 5, max_len_a: float = 0.0, max_len_b: int = 200) -> GenerationConfig:
-    """fairseq-generate's decoding (fairseq 0.12 `SequenceGenerator` defaults): beam 5, scores divided by
-    length^1 (eos counted), a sentence done once `beam` hypotheses have ended (early stopping), `</s>` not
-    allowed first (`min_len=1`), `<pad>` never, and at most `max_len_a * source length + max_len_b` tokens
-    (source `</s>` counted, capped at `max_position_embeddings - 1`) before `</s>` is forced and scored with
-    its own log-probability."""
-    return GenerationConfig(
-        num_beams=beam,
-        length_penalty=1.0,
-        length_penalty_type="hf",
-        max_output_length_offset=None,
-        max_len_a=max_len_a,
-        max_len_b=max_len_b,
-        early_stopping=True,
-        min_new_tokens=1,
-        suppress_tokens=[config.pad_token_id],
-        bos_token_id=config.bos_token_id,
-        eos_token_id=config.eos_token_id,
-        pad_token_id=config.pad_token_id,
-        decoder_start_token_id=config.decoder_start_token_id,
-    )
-
-
 def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -215,7 +192,7 @@ class VaswaniGenerationMixin(GenerationMixin):
     `max_output_length_offset` (each source's length plus this many tokens; None: no such cap). Or, for
     converted fairseq models, fairseq's cap: `max_len_b` (not None) and `max_len_a` give each source at most
     `int(max_len_a * source length + max_len_b)` tokens before a forced `</s>` scored with its own
-    log-probability (see `fairseq_generation_config`); it replaces `max_output_length_offset`."""
+    log-probability (vaswani_tx.interop.convert's `fairseq_generation_config`); it replaces `max_output_length_offset`."""
 
     @torch.no_grad()
     def generate(

@@ -6,7 +6,7 @@ attention (3.2), the position-wise feed-forward network (3.3), encoder and decod
 Section 6.1's decoding (beam search settings, length penalty, output length) is generation_vaswani.py.
 
 Shape legend: B batch, S source length, T target length (new tokens this call), P cached target
-positions, G sources whose rows share cached keys (G divides B), h heads, d_k query/key size per head,
+positions, h heads, d_k query/key size per head,
 d_v value size per head, D d_model, F d_ff, V vocabulary.
 
 One body per layer: training and decoding with a cache run the same `forward`; the attention takes earlier keys
@@ -25,7 +25,7 @@ Where this file departs from the paper, and why (each is pinned by a test):
   gives uniform weights instead of NaN.
 Options where the paper itself varies the model (Table 3): `num_heads`, `d_k`, `d_v`, sizes, dropouts,
 and learned positions (row E). `tie_word_embeddings=False` unties the pre-softmax projection.
-Options that only published checkpoints need (`vaswani_tx.convert`), all off by default, each a small
+Options that only published checkpoints need (`vaswani_tx.interop.convert`), all off by default, each a small
 named branch: `attention_bias` (biases on W^Q, W^K, W^V, W^O), `activation_function="swish"`,
 `position_encoding="fairseq_sinusoidal"`, `final_logits_bias`, separate source and target vocabularies
 (`share_encoder_decoder_embeddings=False`, `decoder_vocab_size`), and a decoder feed-forward size of its
@@ -237,7 +237,7 @@ class MultiHeadAttention(nn.Module):
         past_key_values: EncoderDecoderCache | None,
         index: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The keys and values to attend to, (B or G, h, P + T or S, d): computed from `states` (the encoder
+        """The keys and values to attend to, (B, h, P + T or S, d): computed from `states` (the encoder
         output for encoder-decoder attention, the new positions for self-attention) and, while decoding,
         taken from and added to the cache."""
         if past_key_values is None:
@@ -262,10 +262,7 @@ class MultiHeadAttention(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """hidden_states (B, T, D) are the queries; key_value_states (B, S, D) the encoder output for
         encoder-decoder attention, None for self-attention; `mask` additive (`additive_mask`). Returns
-        (B, T, D) and the weights if asked.
-
-        A cache may keep the encoder-decoder keys once per source (G rows for B = G * k rows, the k beams
-        of each source consecutive): the k rows of a source then attend as one block of k * T queries."""
+        (B, T, D) and the weights if asked."""
         is_cross = key_value_states is not None
         query_rows = key_rows = None
         if padding is not None:
@@ -275,10 +272,7 @@ class MultiHeadAttention(nn.Module):
         query = at_positions(self.q_proj, hidden_states, query_rows)  # (B, T, h * d_k)
         states = key_value_states if is_cross else hidden_states
         key, value = self.cached_keys_values(states, is_cross, past_key_values, key_rows)
-        groups = key.shape[0]
-        query = query.view(groups, -1, self.num_heads, self.d_k).transpose(1, 2)  # (G, h, B/G * T, d_k)
-        if mask is not None and mask.shape[0] != groups:
-            mask = mask[:: batch // groups]  # the rows of one source share its mask
+        query = query.view(batch, -1, self.num_heads, self.d_k).transpose(1, 2)  # (B, h, T, d_k)
 
         # Attention weights exist only in the eager path; asking for them selects it for this call. So does
         # decoding: for a few queries against cached keys, two batched products and a softmax beat the SDPA
@@ -864,7 +858,9 @@ class VaswaniForConditionalGeneration(VaswaniPreTrainedModel, VaswaniGenerationM
         return shift_tokens_right(labels, self.config.pad_token_id, self.config.decoder_start_token_id)
 
 
-if __name__ == "vaswani_tx.modeling_vaswani":  # the package's copy; transformers registers a saved folder's itself
+if (
+    __name__ == "vaswani_tx.model.modeling_vaswani"
+):  # the package's copy; transformers registers a saved folder's itself
     for auto, model_class in ((AutoModel, VaswaniModel), (AutoModelForSeq2SeqLM, VaswaniForConditionalGeneration)):
         auto.register(VaswaniConfig, model_class, exist_ok=True)
         model_class.register_for_auto_class(auto.__name__)

@@ -18,10 +18,10 @@ from pathlib import Path
 from string import Template
 from typing import Any
 
-from .atomic import atomic_folder
-from .configuration_vaswani import VaswaniConfig
-from .errors import UserInputError
-from .paper import DEPARTURES_FROM_THE_PAPER
+from vaswani_tx.atomic import atomic_folder
+from vaswani_tx.metrics.paper import DEPARTURES_FROM_THE_PAPER
+from vaswani_tx.model.configuration_vaswani import VaswaniConfig
+from vaswani_tx.model.errors import UserInputError
 
 TEMPLATE = Path(__file__).with_name("templates") / "model_card_template.md"
 REQUIRED_FILES = (
@@ -56,7 +56,7 @@ _PAPER_OPTIONS = {
     "decoder_d_ff": "the decoder's feed-forward network has its own inner size",
 }
 
-# The options only published checkpoints need (vaswani_tx.convert), and which checkpoints need each.
+# The options only published checkpoints need (vaswani_tx.interop.convert), and which checkpoints need each.
 CONVERSION_OPTIONS = {
     "attention_bias": "Marian (OPUS-MT), FSMT and fairseq checkpoints: their W^Q, W^K, W^V, W^O have biases",
     "position_encoding": "`fairseq_sinusoidal` for FSMT and fairseq checkpoints (their sinusoid frequencies and "
@@ -163,7 +163,7 @@ def render_model_card(
 
 def save_for_hub(model, tokenizer, folder: str | os.PathLike, **card: Any) -> Path:
     """Save model, tokenizer and model card into `folder` and check that the hub file set is complete."""
-    from .tokenization import check_tokenizer_fits_model
+    from vaswani_tx.data.tokenization import check_tokenizer_fits_model
 
     check_tokenizer_fits_model(tokenizer, model.config)
     folder = Path(folder)

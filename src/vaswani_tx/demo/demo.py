@@ -20,7 +20,7 @@ that is not a finite number. Characters outside the vocabulary
 Requests wait in Gradio's queue and reach the model one at a time.
 
 This file travels into the Space (`vaswani_demo/`, with `attention_maps.py` and `errors.py`): it imports torch,
-transformers, matplotlib and Gradio, and those two relatively; `vaswani_tx.translation` only in `build_demo`.
+transformers, matplotlib and Gradio, and those two relatively; `vaswani_tx.engine.translation` only in `build_demo`.
 """
 
 from __future__ import annotations
@@ -33,8 +33,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from vaswani_tx.model.errors import UserInputError
+
 from .attention_maps import KINDS, attention_from_ids, decoder_inputs_from_output, draw_map, heads_figure
-from .errors import UserInputError
 
 INSTALL_HINT = "pip install -e '.[demo]' (in a checkout of vaswani_tx) or pip install gradio"
 SPACE_PACKAGE = "vaswani_demo"
@@ -75,7 +76,7 @@ class _KeepIds:
 
 
 def translator_function(translator) -> TranslateFn:
-    """A `vaswani_tx.translation.Translator` as the page's translate function (`vaswani-tx translate`'s output)."""
+    """A `vaswani_tx.engine.translation.Translator` as the page's translate function (`vaswani-tx translate`'s output)."""
 
     def translate(text: str, num_beams: int, length_penalty: float) -> tuple:
         model = _KeepIds(translator.model)
@@ -308,7 +309,7 @@ def build_demo(model_dir: str | os.PathLike, device="cpu", dtype=None, int8: boo
     `gr.Blocks`, loaded as `vaswani-tx translate` loads it (`load_translator`: the same folder, tokenizer and
     device checks). Raises UserInputError when Gradio is not installed, before the model loads."""
     import_gradio()
-    from .translation import load_translator
+    from vaswani_tx.engine.translation import load_translator
 
     translator = load_translator(model_dir, device=device, dtype=dtype, int8=int8)
     folder = Path(model_dir).resolve()
@@ -413,7 +414,10 @@ def write_space(folder: str | os.PathLike, repo_id: str, model_dir: str | os.Pat
         package / "__init__.py": '"""The page of `vaswani-tx demo`, copied from vaswani_tx by `--write-space`."""\n',
     }
     here = Path(__file__).parent
-    files.update({package / name: (here / name).read_text(encoding="utf-8") for name in SPACE_FILES})
+    sources = {"demo.py": here, "attention_maps.py": here, "errors.py": here.parent / "model"}
+    for name in SPACE_FILES:  # one flat package there: the page's imports of errors.py become relative
+        text = (sources[name] / name).read_text(encoding="utf-8")
+        files[package / name] = text.replace("from vaswani_tx.model.errors import", "from .errors import")
     for path, text in files.items():
         path.write_text(text, encoding="utf-8")
     return list(files)

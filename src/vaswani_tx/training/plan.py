@@ -1,6 +1,6 @@
 """What a run will do and cost, from its run config alone: ``vaswani-tx train --dry-run``.
 
-Beside ``vaswani_tx.params`` (parameters and FLOPs of a model config): the same closed forms, scaled to a run's
+Beside ``vaswani_tx.training.params`` (parameters and FLOPs of a model config): the same closed forms, scaled to a run's
 processes, token budget and steps, so a config can be checked before hours of GPU time go into it. Nothing here
 reads the training data or builds the model, and nothing asks the machine: a config for 8 GPUs in bf16 is planned
 on a laptop (load it with ``load_run_config(..., check_device=False)``), and files a run would make or fetch
@@ -14,10 +14,10 @@ from typing import Any
 
 from transformers import Seq2SeqTrainingArguments
 
-from vaswani_tx.params import load_model_config, training_flops
-from vaswani_tx.run_config import ConfigError, RecipeConfig, missing_paths
 from vaswani_tx.text_io import iter_lines
-from vaswani_tx.training import paper_learning_rate
+from vaswani_tx.training.params import load_model_config, training_flops
+from vaswani_tx.training.run_config import ConfigError, RecipeConfig, missing_paths
+from vaswani_tx.training.training import paper_learning_rate
 
 
 def run_plan(
@@ -32,7 +32,7 @@ def run_plan(
     ``tokens_per_step = processes * gradient_accumulation_steps * max_tokens`` (an upper bound: batches are
     filled up to ``max_tokens``); the schedule's peak, at ``warmup_steps``, is
     ``learning_rate * d_model^-0.5 * warmup_steps^-0.5`` (Section 5.3, equation 3); FLOPs per step are
-    `vaswani_tx.params.training_flops` of that many source and target tokens at ``sentence_length``
+    `vaswani_tx.training.params.training_flops` of that many source and target tokens at ``sentence_length``
     tokens per sentence, the mean words per line of ``dev_source`` (subwords make real sentences a little
     longer; while ``dev_source`` does not exist yet both are None); FLOPs of the run are that times
     ``max_steps``. Checkpoints: every ``save_steps`` (and every ``save_minutes``), the last ``save_total_limit``

@@ -20,8 +20,8 @@ import pickle
 from pathlib import Path
 from typing import Any
 
-from .checkpoints import CheckpointError
-from .text_io import iter_lines
+from vaswani_tx.folders import CheckpointError
+from vaswani_tx.text_io import iter_lines
 
 FAIRSEQ_SPECIALS = ("<s>", "<pad>", "</s>", "<unk>")
 

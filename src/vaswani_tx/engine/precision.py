@@ -13,7 +13,7 @@ import logging
 
 import torch
 
-from .errors import UserInputError
+from vaswani_tx.model.errors import UserInputError
 
 logger = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ operations over the batch, so beam reordering needs no bookkeeping.
 
 :func:`parse` decodes sentences into trees with a saved parser, constrained or (the paper's way) repaired;
 :class:`DevBracketF1Callback` scores the model being trained with it. The trees, the linearisation and the
-scorer are ``vaswani_tx.parsing``; the run that trains a parser is ``vaswani_tx.parse_run``.
+scorer are ``vaswani_tx.parsing.parsing``; the run that trains a parser is ``vaswani_tx.parsing.parse_run``.
 """
 
 from __future__ import annotations
@@ -35,10 +35,18 @@ from typing import Any
 import torch
 from transformers import LogitsProcessor
 
-from vaswani_tx.checkpoints import TrainingClock
-from vaswani_tx.errors import UserInputError
-from vaswani_tx.parsing import PLACEHOLDER, TREE_LEAVES, UNKNOWN_WORDS, Tree, bracket_f1, delinearize, word_class
-from vaswani_tx.translation import Translator, load_translator
+from vaswani_tx.engine.translation import Translator, load_translator
+from vaswani_tx.model.errors import UserInputError
+from vaswani_tx.parsing.parsing import (
+    PLACEHOLDER,
+    TREE_LEAVES,
+    UNKNOWN_WORDS,
+    Tree,
+    bracket_f1,
+    delinearize,
+    word_class,
+)
+from vaswani_tx.training.checkpoints import TrainingClock
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +63,7 @@ class TreeConstraint(LogitsProcessor):
         word_counts: words per sentence (B,); rows of beams are matched to their sentence by position
             (generate() lays them out sentence-major).
         max_new_tokens: optional per-sentence cap on generated tokens, ``</s>`` included (B,), as
-            :class:`~vaswani_tx.generation_vaswani.SourceLengthCap` applies it; openings that could not be
+            :class:`~vaswani_tx.model.generation_vaswani.SourceLengthCap` applies it; openings that could not be
             closed in time are forbidden.
         prompt_length: tokens before the first generated one (the decoder start token: 1).
         leaf_ids: for a parser whose leaves are the words (``tree_leaves: words``), each sentence's token ids
@@ -194,15 +202,15 @@ def parse(
 ) -> list[Tree]:
     """Parse tokenised sentences (lists of words) with a saved parser; one tree per sentence.
 
-    ``model`` is a model folder or a loaded :class:`~vaswani_tx.translation.Translator`. Decoding uses the
+    ``model`` is a model folder or a loaded :class:`~vaswani_tx.engine.translation.Translator`. Decoding uses the
     model's ``generation_config`` (Section 6.3's beam 21, alpha 0.3 and input + 300 when trained with
     ``configs/train/wsj-parse*.yaml``); ``num_beams`` overrides the beam only. ``constrained`` (the
     default) restricts every hypothesis to a well-formed tree over exactly the sentence's words
     (:class:`TreeConstraint`; it needs a word-level target vocabulary); ``constrained=False`` is the paper's
-    plain beam search, whose output the repair (:func:`~vaswani_tx.parsing.delinearize`) makes a tree. The
+    plain beam search, whose output the repair (:func:`~vaswani_tx.parsing.parsing.delinearize`) makes a tree. The
     leaves are the model's ``tree_leaves`` (its generation config; ``"XX"`` when unset). A model trained with
     ``unknown_words: classes`` reads each word outside its vocabulary as that word's class
-    (:func:`~vaswani_tx.parsing.word_class`); the trees keep the words themselves.
+    (:func:`~vaswani_tx.parsing.parsing.word_class`); the trees keep the words themselves.
     """
     translator = model if isinstance(model, Translator) else load_translator(model)
     tokenizer = translator.tokenizer

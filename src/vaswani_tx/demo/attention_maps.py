@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from .errors import UserInputError
+from vaswani_tx.model.errors import UserInputError
 
 KINDS = {
     "encoder": ("encoder_attentions", "encoder self-attention"),

@@ -6,8 +6,8 @@
   the label smoothing of Section 5.4; :class:`VaswaniTrainer` puts both, Adam (0.9, 0.98, 1e-9) and the
   token budget together.
 
-A run config is ``vaswani_tx.run_config``, the run itself ``vaswani_tx.recipe``; checkpoints, resuming and averaging
-(Section 6.1) are ``vaswani_tx.checkpoints``; decoding a saved model is ``vaswani_tx.translation``.
+A run config is ``vaswani_tx.training.run_config``, the run itself ``vaswani_tx.training.recipe``; checkpoints, resuming and averaging
+(Section 6.1) are ``vaswani_tx.training.checkpoints``; decoding a saved model is ``vaswani_tx.engine.translation``.
 
 Departures, each for a stated reason: the schedule is evaluated at ``updates_done + 1`` so the first
 update uses step 1 (a plain ``LambdaLR`` would use step 0, rate 0); the loss is normalised by the
@@ -30,14 +30,14 @@ from torch.utils.data import DataLoader
 from transformers import Seq2SeqTrainer, TrainerCallback
 from transformers.trainer_utils import seed_worker
 
-from vaswani_tx.data import TokenBudgetBatchSampler
-from vaswani_tx.errors import UserInputError
+from vaswani_tx.data.data import TokenBudgetBatchSampler
+from vaswani_tx.model.errors import UserInputError
 
 
 class TokenBudgetSeq2SeqTrainer(Seq2SeqTrainer):
     """A ``Seq2SeqTrainer`` whose batches hold at most ``max_tokens`` source and target tokens each.
 
-    Training batches come from :class:`~vaswani_tx.data.TokenBudgetBatchSampler` (shuffled per epoch
+    Training batches come from :class:`~vaswani_tx.data.data.TokenBudgetBatchSampler` (shuffled per epoch
     from ``args.data_seed`` or ``args.seed``, one disjoint equal share per process); evaluation
     batches, when ``eval_max_tokens`` is given, are length-sorted under that budget without shuffling,
     which wastes the least padding. ``per_device_*_batch_size`` is then unused. ``predict`` keeps

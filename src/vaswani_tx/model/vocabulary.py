@@ -7,7 +7,7 @@
   U+200B ZERO WIDTH SPACE and U+2060 WORD JOINER are invisible and mean nothing to a translation, but no
   trained alphabet holds them: the byte-level BPE encodes each as three byte tokens the model never saw in
   training, which changes the translation ("A dog runs in the park." -> "Ein Hausmeister läuft im Park.").
-  Tokenizers trained by this package drop them in their normalizer (``vaswani_tx.tokenization``); the
+  Tokenizers trained by this package drop them in their normalizer (``vaswani_tx.data.tokenization``); the
   commands, ``Translator`` and the pipeline drop them from the text as well, for tokenizers trained before
   that and for converted (Marian, fairseq, FSMT) ones.
 

@@ -16,7 +16,7 @@ The library side of ``vaswani-tx translate`` and ``vaswani-tx evaluate``:
   line longer than the positions the model was made for (``max_position_embeddings``) is reported
   with its number: learned positions cannot take it (an error), sinusoids can, but a model that never
   saw such lengths may stop its translation early (a warning).
-* ``read_text(path)`` (``vaswani_tx.evaluation``'s) reads a file or standard input as the ``sacrebleu`` command does (lines end at
+* ``read_text(path)`` (``vaswani_tx.metrics.evaluation``'s) reads a file or standard input as the ``sacrebleu`` command does (lines end at
   ``\\n`` only; non-UTF-8 input is refused naming the line).
 
 This module imports the model, not the training code.
@@ -37,12 +37,12 @@ from typing import Any
 import torch
 
 from vaswani_tx.atomic import write_text
-from vaswani_tx.checkpoints import check_safetensors
-from vaswani_tx.errors import UserInputError
-from vaswani_tx.evaluation import read_text
-from vaswani_tx.pipeline_vaswani import MAX_TOKENS, plan_batches
-from vaswani_tx.tokenization import check_tokenizer_fits_model, drop_format_characters_in
-from vaswani_tx.vocabulary import drop_format_characters
+from vaswani_tx.data.tokenization import check_tokenizer_fits_model, drop_format_characters_in
+from vaswani_tx.folders import check_safetensors
+from vaswani_tx.metrics.evaluation import read_text
+from vaswani_tx.model.errors import UserInputError
+from vaswani_tx.model.pipeline_vaswani import MAX_TOKENS, plan_batches
+from vaswani_tx.model.vocabulary import drop_format_characters
 
 logger = logging.getLogger(__name__)
 
@@ -219,9 +219,8 @@ def load_translator(
     """
     from transformers import AutoTokenizer
 
-    from vaswani_tx.modeling_vaswani import VaswaniForConditionalGeneration
-    from vaswani_tx.precision import decoding_dtype  # "auto": bfloat16 where the device has fast bf16
-    from vaswani_tx.tokenization_fairseq import FairseqTokenizer  # noqa: F401  (registered with AutoTokenizer)
+    from vaswani_tx.engine.precision import decoding_dtype  # "auto": bfloat16 where the device has fast bf16
+    from vaswani_tx.model.modeling_vaswani import VaswaniForConditionalGeneration
 
     folder = Path(folder)
     check_model_folder(folder)

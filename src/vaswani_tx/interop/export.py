@@ -26,7 +26,7 @@ the GNMT form ``((5 + |Y|) / 6)^alpha``, and its output limit is one ``max_decod
 each source's length + 50 (the file stores the offset; the options set the limit from the longest source).
 
 :func:`export_marian` writes a MarianMTModel folder with our logits: the hidden dimension permuted to Marian's
-sin-half/cos-half layout by the mapping ``vaswani_tx.convert`` reads Marian with, so the two directions cannot
+sin-half/cos-half layout by the mapping ``vaswani_tx.interop.convert`` reads Marian with, so the two directions cannot
 drift apart. Its generation_config.json carries beam size, alpha and early stopping, and records the length
 penalty's form and the source-length offset as two fields of ours (``length_penalty_type``,
 ``max_output_length_offset``): MarianMTModel's ``generate()`` ignores them and applies transformers' ``|Y|^alpha``
@@ -47,14 +47,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .atomic import atomic_folder
-from .errors import UserInputError
-from .folders import refuse_to_overwrite
+from vaswani_tx.atomic import atomic_folder
+from vaswani_tx.folders import refuse_to_overwrite
+from vaswani_tx.model.errors import UserInputError
 
 if TYPE_CHECKING:
     from transformers import MarianMTModel
 
-    from .modeling_vaswani import VaswaniForConditionalGeneration
+    from vaswani_tx.model.modeling_vaswani import VaswaniForConditionalGeneration
 
 logger = logging.getLogger(__name__)
 
@@ -122,7 +122,7 @@ def build_ct2_spec(model, tokens: Sequence[str], unk_token: str = "<unk>"):
 
 
 def _position_table(model):
-    from .modeling_vaswani import LearnedPositionalEmbedding, sinusoidal_table
+    from vaswani_tx.model.modeling_vaswani import LearnedPositionalEmbedding, sinusoidal_table
 
     positions = model.model.encoder.embeddings.embed_positions
     if isinstance(positions, LearnedPositionalEmbedding):
@@ -181,9 +181,9 @@ def export_ct2(
     once complete, so a failed or interrupted export leaves what `out_dir` held before."""
     import torch
 
-    from .modeling_vaswani import VaswaniForConditionalGeneration
-    from .tokenization import check_tokenizer_fits_model, load_tokenizer
-    from .translation import check_model_folder
+    from vaswani_tx.data.tokenization import check_tokenizer_fits_model, load_tokenizer
+    from vaswani_tx.engine.translation import check_model_folder
+    from vaswani_tx.model.modeling_vaswani import VaswaniForConditionalGeneration
 
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     if quantization is not None and quantization not in QUANTIZATIONS:
@@ -328,9 +328,10 @@ def export_marian(model: str | os.PathLike | VaswaniForConditionalGeneration, ou
     ``|Y|^alpha``, and a warning says so when the model decodes with the GNMT form or the offset."""
     from transformers import AutoTokenizer, GenerationConfig
 
+    from vaswani_tx.model.modeling_vaswani import VaswaniForConditionalGeneration
+    from vaswani_tx.model.vocabulary import check_tokenizer_fits_model
+
     from .convert import ConversionError
-    from .modeling_vaswani import VaswaniForConditionalGeneration
-    from .vocabulary import check_tokenizer_fits_model
 
     folder = None
     if not isinstance(model, VaswaniForConditionalGeneration):

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import torch
 
-from .configuration_vaswani import VaswaniConfig
-from .errors import UserInputError
-from .modeling_vaswani import VaswaniForConditionalGeneration
-from .paper import ALL_MODEL_CONFIGS, TOLERANCE_MILLIONS
+from vaswani_tx.metrics.paper import ALL_MODEL_CONFIGS, TOLERANCE_MILLIONS
+from vaswani_tx.model.configuration_vaswani import VaswaniConfig
+from vaswani_tx.model.errors import UserInputError
+from vaswani_tx.model.modeling_vaswani import VaswaniForConditionalGeneration
 
 
 def load_model_config(path: str | Path) -> VaswaniConfig:

@@ -1,7 +1,7 @@
 """Checkpoints: refusing a bad one, resuming a run from the last good one, averaging several (Section 6.1).
 
-- :class:`CheckpointError` and :func:`check_safetensors` refuse a truncated or corrupt model folder; the
-  translator uses them for any model folder it loads.
+- :class:`CheckpointError` and :func:`check_safetensors` (vaswani_tx.folders's, where the translator finds them too)
+  refuse a truncated or corrupt model folder.
 - :func:`checkpoint_folders` lists a run's ``checkpoint-<step>`` folders, :func:`check_checkpoint`
   refuses an incomplete one, :func:`resume_checkpoint` picks the one to resume from.
 - :class:`SamplerStateCallback` saves the token-budget sampler's state in each checkpoint and
@@ -34,43 +34,17 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from transformers.utils import SAFE_WEIGHTS_NAME
 
 from vaswani_tx.atomic import atomic_folder, write_text
-from vaswani_tx.errors import UserInputError
-from vaswani_tx.folders import folder_kind
-from vaswani_tx.modeling_vaswani import VaswaniForConditionalGeneration
-from vaswani_tx.run_config import ConfigError
-from vaswani_tx.tokenization import check_tokenizer_fits_model, load_tokenizer
+from vaswani_tx.data.tokenization import check_tokenizer_fits_model, load_tokenizer
+from vaswani_tx.folders import CheckpointError, check_safetensors, folder_kind
+from vaswani_tx.model.modeling_vaswani import VaswaniForConditionalGeneration
+from vaswani_tx.training.run_config import ConfigError
 
 if TYPE_CHECKING:
     from transformers import Seq2SeqTrainingArguments
 
-    from vaswani_tx.run_config import RecipeConfig
+    from vaswani_tx.training.run_config import RecipeConfig
 
 logger = logging.getLogger(__name__)
-
-
-class CheckpointError(UserInputError):
-    """A checkpoint folder or file that is missing files, truncated, corrupt, unsafe to read or incompatible;
-    the message names it."""
-
-
-def check_safetensors(path: str | os.PathLike) -> None:
-    """Refuse a safetensors file whose header does not parse or whose tensors do not fill the file exactly
-    (a copy or download cut short)."""
-    path = Path(path)
-    size = path.stat().st_size
-    try:
-        with open(path, "rb") as handle:
-            header_length = int.from_bytes(handle.read(8), "little")
-            if size < 8 or 8 + header_length > size:
-                raise ValueError("the header runs past the end of the file")
-            header = json.loads(handle.read(header_length))
-        end = max((entry["data_offsets"][1] for key, entry in header.items() if key != "__metadata__"), default=0)
-    except (ValueError, KeyError, TypeError, UnicodeDecodeError) as err:
-        raise CheckpointError(f"{path} is not a readable safetensors file ({err})") from None
-    if 8 + header_length + end != size:
-        raise CheckpointError(
-            f"{path} is truncated or corrupt: its header describes {8 + header_length + end} bytes, the file has {size}"
-        )
 
 
 # ---- a run's checkpoint folders ----
@@ -160,7 +134,7 @@ class SamplerStateCallback(TrainerCallback):
     The Trainer resumes mid-epoch by replaying the epoch's batch order, which the sampler derives from
     ``(seed, epoch)`` alone; this file lets a resume refuse data, seed or budget that differ from the
     checkpoint's, which would otherwise replay a different order silently. ``trainer`` is the
-    :class:`~vaswani_tx.training.TokenBudgetSeq2SeqTrainer` being trained.
+    :class:`~vaswani_tx.training.training.TokenBudgetSeq2SeqTrainer` being trained.
     """
 
     def __init__(self, trainer) -> None:

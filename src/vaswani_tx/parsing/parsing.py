@@ -4,8 +4,8 @@ The paper trains "a 4-layer transformer with d_model = 1024 on the Wall Street J
 the Penn Treebank, about 40K training sentences" and reads the parse off as a sequence, the set-up of
 Vinyals et al. (2015), "Grammar as a Foreign Language": source = the sentence's words, target = its
 linearised tree. This module holds every step between a treebank and an F1 that needs no model (it imports
-no torch); decoding sentences into trees is ``vaswani_tx.tree_decoding``, the run (linearise, train, parse,
-score) ``vaswani_tx.parse_run``:
+no torch); decoding sentences into trees is ``vaswani_tx.parsing.tree_decoding``, the run (linearise, train, parse,
+score) ``vaswani_tx.parsing.parse_run``:
 
 - :func:`read_treebank` reads Penn Treebank bracketed files, ``.mrg`` (a tree over several lines) or one
   tree per line, and names file, line and column of anything that is not a tree.

@@ -41,7 +41,7 @@ import numpy as np
 import pyarrow.compute as pc
 from torch.utils.data import Sampler
 
-from vaswani_tx.errors import UserInputError
+from vaswani_tx.model.errors import UserInputError
 from vaswani_tx.text_io import CorpusError, iter_lines  # callers import both from here too
 
 # Beside a `vaswani-tx prepare-data` output: the tokenizer folder it was encoded with and that tokenizer's

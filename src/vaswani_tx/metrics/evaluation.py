@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from vaswani_tx.errors import UserInputError
+from vaswani_tx.model.errors import UserInputError
 from vaswani_tx.text_io import decode_lines, iter_lines
 
 if TYPE_CHECKING:
@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-METRIC_PATH: Path = Path(__file__).resolve().parent / "metrics" / "vaswani_bleu" / "vaswani_bleu.py"
+METRIC_PATH: Path = Path(__file__).resolve().parent / "vaswani_bleu" / "vaswani_bleu.py"
 """The metric module file: ``evaluate.load(str(METRIC_PATH))`` works offline."""
 
 METRIC_NAMES = ("vaswani_bleu", "vaswani_parseval")  # translation (Section 6.1), parsing (Section 6.3)

@@ -48,7 +48,7 @@ class VaswaniConfig(PreTrainedConfig):
         pad_token_id, bos_token_id, eos_token_id, decoder_start_token_id: special ids of the shared vocabulary
             (the package's tokenizers use `<pad>`=0, `<unk>`=1, `<s>`=2, `</s>`=3; the decoder starts from `<s>`);
             with separate vocabularies, ids of the target vocabulary.
-        tokenizer_fingerprint: `vaswani_tx.tokenization.vocabulary_fingerprint` of the tokenizer the model was
+        tokenizer_fingerprint: `vaswani_tx.data.tokenization.vocabulary_fingerprint` of the tokenizer the model was
             trained or converted with (written by `train()` and `vaswani-tx convert`), so that loading it with
             another model's tokenizer of the same size is refused; `None` checks sizes and special ids only.
 
@@ -58,7 +58,7 @@ class VaswaniConfig(PreTrainedConfig):
             meaningful (zero logits at unlabelled positions when the model computes its loss). `False`
             computes every position, as other implementations do. Real positions are the same either way.
 
-    Options for converted checkpoints (`vaswani_tx.convert`); each default is the paper's:
+    Options for converted checkpoints (`vaswani_tx.interop.convert`); each default is the paper's:
         attention_bias: biases on W^Q, W^K, W^V and W^O (Marian, fairseq, FSMT have them; the paper's have none).
         activation_function: `"relu"` (Equation 2) or `"swish"` (x * sigmoid(x), many OPUS-MT models).
         final_logits_bias: a fixed bias added to the logits after the pre-softmax projection (Marian's buffer).
@@ -254,7 +254,7 @@ def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-if __name__ == "vaswani_tx.configuration_vaswani":  # the package's copy; transformers registers a saved folder's
+if __name__ == "vaswani_tx.model.configuration_vaswani":  # the package's copy; transformers registers a saved folder's
     AutoConfig.register(VaswaniConfig.model_type, VaswaniConfig, exist_ok=True)
     VaswaniConfig.register_for_auto_class()
 

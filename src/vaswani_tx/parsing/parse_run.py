@@ -1,11 +1,11 @@
 """The parse run (paper Section 6.3): linearise a treebank's splits, train the model on them, parse the test
 split, score it (``vaswani-tx parse run``).
 
-The parser is the translation recipe (``vaswani_tx.recipe.train``) on linearised trees; what is the parser's own
+The parser is the translation recipe (``vaswani_tx.training.recipe.train``) on linearised trees; what is the parser's own
 comes in from here: the dev trees' bracketing F1 at each evaluation (a callback) and ``tree_leaves``, the one
 generation field its decoding reads beside ``GenerationConfig``'s, saved with the model so that
 ``parse predict`` decodes it as it was trained. It sits on top of the rest: the trees and the scorer
-(``vaswani_tx.parsing``), decoding into trees (``vaswani_tx.tree_decoding``), the run config and the run.
+(``vaswani_tx.parsing.parsing``), decoding into trees (``vaswani_tx.parsing.tree_decoding``), the run config and the run.
 """
 
 from __future__ import annotations
@@ -19,10 +19,9 @@ from pathlib import Path
 from typing import Any
 
 from vaswani_tx.atomic import write_text
-from vaswani_tx.checkpoints import refuse_earlier_run
-from vaswani_tx.errors import UserInputError
-from vaswani_tx.params import load_model_config
-from vaswani_tx.parsing import (
+from vaswani_tx.data.tokenization import SPECIAL_TOKENS, load_tokenizer
+from vaswani_tx.model.errors import UserInputError
+from vaswani_tx.parsing.parsing import (
     TREE_LEAVES,
     UNKNOWN_WORDS,
     Tree,
@@ -33,10 +32,11 @@ from vaswani_tx.parsing import (
     write_examples,
     write_trees,
 )
-from vaswani_tx.recipe import set_generation_defaults, train
-from vaswani_tx.run_config import RecipeConfig, load_run_config
-from vaswani_tx.tokenization import SPECIAL_TOKENS, load_tokenizer
-from vaswani_tx.tree_decoding import DevBracketF1Callback, TreeConstraint, parse
+from vaswani_tx.parsing.tree_decoding import DevBracketF1Callback, TreeConstraint, parse
+from vaswani_tx.training.checkpoints import refuse_earlier_run
+from vaswani_tx.training.params import load_model_config
+from vaswani_tx.training.recipe import set_generation_defaults, train
+from vaswani_tx.training.run_config import RecipeConfig, load_run_config
 
 logger = logging.getLogger(__name__)
 
@@ -46,14 +46,14 @@ PARSER_GENERATION_FIELDS = ("tree_leaves", "unknown_words")
 
 
 def set_parser_generation_defaults(model, values: dict[str, Any]) -> None:
-    """:func:`~vaswani_tx.recipe.set_generation_defaults` for a parser: ``values`` may also hold
+    """:func:`~vaswani_tx.training.recipe.set_generation_defaults` for a parser: ``values`` may also hold
     ``tree_leaves`` and ``unknown_words`` (what :func:`run_recipe` has the training run save)."""
     set_generation_defaults(model, values, PARSER_GENERATION_FIELDS)
 
 
 def _check_constrainable(recipe: RecipeConfig, leaves: str, config: str | os.PathLike) -> None:
     """Refuse, before training, a run whose vocabulary constrained decoding cannot use (see
-    :func:`~vaswani_tx.tree_decoding.parse`)."""
+    :func:`~vaswani_tx.parsing.tree_decoding.parse`)."""
     if (Path(recipe.tokenizer) / "tokenizer.json").is_file():
         tokenizer = load_tokenizer(recipe.tokenizer)
         try:
@@ -73,8 +73,8 @@ def _check_constrainable(recipe: RecipeConfig, leaves: str, config: str | os.Pat
 def _known_words(recipe: RecipeConfig, train: Sequence[Tree]) -> set[str]:
     """The training words kept whole under ``unknown_words: classes``: those of the run's tokenizer when it
     exists (a resumed run, or one given), else those its word-level vocabulary will keep
-    (:func:`~vaswani_tx.parsing.known_words`), so that what training sees as a class is what decoding
-    (:func:`~vaswani_tx.tree_decoding.parse`) maps to one."""
+    (:func:`~vaswani_tx.parsing.parsing.known_words`), so that what training sees as a class is what decoding
+    (:func:`~vaswani_tx.parsing.tree_decoding.parse`) maps to one."""
     if (Path(recipe.tokenizer) / "tokenizer.json").is_file():
         return set(load_tokenizer(recipe.tokenizer).get_vocab())
     vocab_size = recipe.tokenizer_vocab_size or load_model_config(recipe.model_config).vocab_size
@@ -111,16 +111,16 @@ def run_recipe(
     ``test.gold`` and ``test.parsed`` (one normalised tree per line) and ``parse_scores.json``: precision,
     recall, F1 and exact match of all test sentences and F1 of those of at most 40 words (``f1_40``), or only
     of sentences up to ``max_length`` words. While training, each evaluation also logs the dev trees'
-    bracketing F1 (greedy, :class:`~vaswani_tx.tree_decoding.DevBracketF1Callback`), drawn in ``curves.png``.
-    ``constrained`` decodes with :class:`~vaswani_tx.tree_decoding.TreeConstraint` (see
-    :func:`~vaswani_tx.tree_decoding.parse`). The target trees' leaves are ``XX`` or, with ``tree_leaves: words``
+    bracketing F1 (greedy, :class:`~vaswani_tx.parsing.tree_decoding.DevBracketF1Callback`), drawn in ``curves.png``.
+    ``constrained`` decodes with :class:`~vaswani_tx.parsing.tree_decoding.TreeConstraint` (see
+    :func:`~vaswani_tx.parsing.tree_decoding.parse`). The target trees' leaves are ``XX`` or, with ``tree_leaves: words``
     in the config's ``generation:`` block (saved with the model), the words themselves. With
     ``unknown_words: classes`` there, the training words that the vocabulary cannot keep whole, and every
-    word seen once, are written as their class (:func:`~vaswani_tx.parsing.word_class`), and decoding maps
+    word seen once, are written as their class (:func:`~vaswani_tx.parsing.parsing.word_class`), and decoding maps
     any word outside the vocabulary the same way.
     Under several processes every process trains and process 0 alone parses and scores. An ``output_dir``
     holding another run's results is refused, before any file is written, unless ``force`` (see
-    :func:`~vaswani_tx.recipe.train`).
+    :func:`~vaswani_tx.training.recipe.train`).
     """
     started = time.monotonic()
 

@@ -3,7 +3,7 @@
 `convert(source, out)` turns a MarianMTModel folder, an FSMTForConditionalGeneration folder, or a
 fairseq checkpoint (with its `dict.*.txt` and BPE codes) into a vaswani_tx model folder whose logits
 and translations are the source model's; the `vaswani-tx convert` command calls it. The way back to
-Marian (`export_marian`) is with the other exports in `vaswani_tx.export`, and uses the layout mapping
+Marian (`export_marian`) is with the other exports in `vaswani_tx.interop.export`, and uses the layout mapping
 defined here (`marian_hidden_permutation`, `layer_tensor_map`, `permute_hidden`).
 
 What differs, and how each difference is handled (options default to the paper; see VaswaniConfig):
@@ -33,16 +33,17 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from transformers import GenerationConfig
 
-from .atomic import atomic_folder
-from .configuration_vaswani import VaswaniConfig
-from .errors import UserInputError
+from vaswani_tx.atomic import atomic_folder
+from vaswani_tx.data.tokenization import vocabulary_fingerprint
+from vaswani_tx.data.tokenization_fairseq import FairseqTokenizer
+from vaswani_tx.model.configuration_vaswani import VaswaniConfig
+from vaswani_tx.model.errors import UserInputError
+from vaswani_tx.model.modeling_vaswani import VaswaniForConditionalGeneration
+from vaswani_tx.text_io import iter_lines
+
 from .fairseq_checkpoint import CheckpointError, checkpoint_settings, load_checkpoint, read_dictionary
-from .generation_vaswani import fairseq_generation_config
-from .modeling_vaswani import VaswaniForConditionalGeneration
-from .text_io import iter_lines
-from .tokenization import vocabulary_fingerprint
-from .tokenization_fairseq import FairseqTokenizer
 
 
 class ConversionError(UserInputError):
@@ -52,6 +53,29 @@ class ConversionError(UserInputError):
 # ---------------------------------------------------------------------------------------------------
 # The hidden-dimension permutation and the per-layer names (both directions: export.py's Marian export too)
 # ---------------------------------------------------------------------------------------------------
+
+
+def fairseq_generation_config(config, beam: int = 5, max_len_a: float = 0.0, max_len_b: int = 200) -> GenerationConfig:
+    """fairseq-generate's decoding (fairseq 0.12 `SequenceGenerator` defaults): beam 5, scores divided by
+    length^1 (eos counted), a sentence done once `beam` hypotheses have ended (early stopping), `</s>` not
+    allowed first (`min_len=1`), `<pad>` never, and at most `max_len_a * source length + max_len_b` tokens
+    (source `</s>` counted, capped at `max_position_embeddings - 1`) before `</s>` is forced and scored with
+    its own log-probability."""
+    return GenerationConfig(
+        num_beams=beam,
+        length_penalty=1.0,
+        length_penalty_type="hf",
+        max_output_length_offset=None,
+        max_len_a=max_len_a,
+        max_len_b=max_len_b,
+        early_stopping=True,
+        min_new_tokens=1,
+        suppress_tokens=[config.pad_token_id],
+        bos_token_id=config.bos_token_id,
+        eos_token_id=config.eos_token_id,
+        pad_token_id=config.pad_token_id,
+        decoder_start_token_id=config.decoder_start_token_id,
+    )
 
 
 def marian_hidden_permutation(d_model: int) -> torch.Tensor:
@@ -465,7 +489,7 @@ def _generation_config(model: VaswaniForConditionalGeneration, source: dict[str,
     """The source's decoding settings, as they are (beam size, length penalty, max_length, bad_words_ids,
     forced end, ...), so that `generate` reproduces the source model's translations: transformers' length penalty
     form |Y|^alpha and no source-length cap, as MarianMT and FSMT decode, unless the source records ours (a model
-    `vaswani_tx.export.export_marian` wrote: `length_penalty_type`, `max_output_length_offset`), which then stay
+    `vaswani_tx.interop.export.export_marian` wrote: `length_penalty_type`, `max_output_length_offset`), which then stay
     as they were before the export (GNMT stays GNMT). The special ids are ours (the same ids)."""
     from transformers import GenerationConfig
 

@@ -11,25 +11,22 @@ and looks tokens up in the target vocabulary, as fairseq's `dict.<target>.txt` d
 normalisation, non-printing characters removed, then Moses tokenization; the WMT19 models' own) or
 fairseq's `--tokenizer moses` (Moses tokenization only), which converted fairseq checkpoints use.
 
-Before either, U+FEFF, U+200B and U+2060 are dropped from the text (`vocabulary.drop_format_characters`), as
-every tokenizer of the package does: FSMT's normalisation removes them, fairseq's does not.
+Before either, U+FEFF, U+200B and U+2060 are dropped from the text (as `vocabulary.drop_format_characters` does),
+as every tokenizer of the package does: FSMT's normalisation removes them, fairseq's does not.
 
-Importing the package's copy of this file registers `FairseqTokenizer` with `AutoTokenizer` for `VaswaniConfig`
-(converted folders name it in tokenizer_config.json), so `AutoTokenizer.from_pretrained(folder)` finds it without
-remote code.
+vaswani_tx.data.tokenization registers `FairseqTokenizer` with `AutoTokenizer` for `VaswaniConfig` (converted
+folders name it in tokenizer_config.json), so `AutoTokenizer.from_pretrained(folder)` finds it without remote code.
 
 This file travels with converted model folders for `AutoTokenizer.from_pretrained(folder,
-trust_remote_code=True)`: it imports transformers and the files that travel with it only (FSMTTokenizer itself
-needs sacremoses).
+trust_remote_code=True)`: it imports transformers only (FSMTTokenizer itself needs sacremoses).
 """
 
 from __future__ import annotations
 
-from transformers import AutoTokenizer
 from transformers.models.fsmt.tokenization_fsmt import FSMTTokenizer
 
-from .configuration_vaswani import VaswaniConfig
-from .vocabulary import drop_format_characters
+# U+FEFF, U+200B, U+2060: vaswani_tx.model.vocabulary's FORMAT_CHARACTERS (this file travels alone)
+_NO_FORMAT_CHARACTERS = {0xFEFF: None, 0x200B: None, 0x2060: None}
 
 
 class FairseqTokenizer(FSMTTokenizer):
@@ -52,7 +49,7 @@ class FairseqTokenizer(FSMTTokenizer):
     def _tokenize(self, text: str, lang: str | None = None, bypass_tokenizer: bool = False) -> list[str]:
         """Moses tokens (in the target language in target mode), each split into BPE pieces."""
         lang = self.tgt_lang if self._target_mode else self.src_lang
-        text = drop_format_characters(text)
+        text = text.translate(_NO_FORMAT_CHARACTERS)
         if self.do_lower_case:
             text = text.lower()
         if bypass_tokenizer:
@@ -69,7 +66,4 @@ class FairseqTokenizer(FSMTTokenizer):
 
 
 FairseqTokenizer.register_for_auto_class("AutoTokenizer")  # save_pretrained copies this file for remote code
-if __name__ == "vaswani_tx.tokenization_fairseq":  # the package's copy; transformers registers a saved folder's
-    AutoTokenizer.register(VaswaniConfig, tokenizer_class=FairseqTokenizer, exist_ok=True)
-
 __all__ = ["FairseqTokenizer"]

@@ -4,7 +4,7 @@
 :func:`load_run_config` reads both (with ``key=value`` overrides, :func:`parse_overrides`) and raises
 :class:`ConfigError` naming any key or number it cannot use; :func:`check_paths`, any file it names that is not
 there. Both run before any data is read: a typo found after an hour of tokenizer training costs the hour. The
-run itself is ``vaswani_tx.recipe``; what it will do and cost, ``vaswani_tx.plan``.
+run itself is ``vaswani_tx.training.recipe``; what it will do and cost, ``vaswani_tx.training.plan``.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import Any
 import yaml
 from transformers import Seq2SeqTrainingArguments
 
-from vaswani_tx.errors import UserInputError
+from vaswani_tx.model.errors import UserInputError
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +51,7 @@ class RecipeConfig:
     tokens_per_step: int | None = None  # sets gradient_accumulation_steps (Section 5.1: ~25,000)
     save_minutes: float | None = None  # also checkpoint every so many minutes (Section 6.1: 10)
     dev_max_pairs: int | None = None  # evaluate during training on the first N dev pairs only
-    max_words: int | None = 250  # cleaning of the training pairs (vaswani_tx.data.clean_pairs)
+    max_words: int | None = 250  # cleaning of the training pairs (vaswani_tx.data.data.clean_pairs)
     max_length_ratio: float | None = 3.0
     average_last: int = 5  # checkpoints `train` averages into output_dir/averaged (Section 6.1: 5 base, 20 big)
     generation: dict[str, Any] | None = None  # decoding defaults saved in the model's generation_config
@@ -246,7 +246,7 @@ def load_run_config(
         kept = [r for r in ([report_to] if isinstance(report_to, str) else report_to) if r != "tensorboard"]
         argument_values["report_to"] = kept or "none"
     if "bf16" in argument_values:  # true, false, or auto: on where this machine has fast bf16 (precision.py)
-        from .precision import resolve_bf16_setting
+        from vaswani_tx.engine.precision import resolve_bf16_setting
 
         argument_values["bf16"] = resolve_bf16_setting(argument_values["bf16"], f"run config {path}")
     withheld = {} if check_device else {k: argument_values.pop(k) for k in DEVICE_FIELDS if k in argument_values}
