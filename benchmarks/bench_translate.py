@@ -12,6 +12,8 @@ Implementations, each in a fresh process (nothing warm), each decoding with the 
 - translate:       `Translator.translate` (what `vaswani-tx translate MODEL -i FILE` runs), float32, on the model
                    saved afresh (the engine serves generate(): the default path);
 - translate-hf:    the same through transformers' own loops (`use_engine=False`): what the engine buys;
+- translate-stay:  the engine with every sentence kept in the batch to the end (a no-op logits processor of the
+                   caller's, which the engine cannot follow row by row): what finished sentences leaving buys;
 - translate-auto:  the same with `--dtype auto` (bfloat16 where the CPU has bf16 instructions);
 - translate-int8:  the same with `--int8`;
 - pipeline:        `pipeline("translation", model=MODEL, trust_remote_code=True)` on the whole list: its own batching,
@@ -52,7 +54,9 @@ SETS = {
     "multi30k": ("multi30k-en-de/val.en", "multi30k-en-de/val.de"),
     "newstest2013": ("newstest2013-en-de/dev.en", "newstest2013-en-de/dev.de"),
 }
-IMPLEMENTATIONS = ("translate", "translate-hf", "translate-auto", "translate-int8", "pipeline", "ct2", "ct2-int8")
+IMPLEMENTATIONS = (
+    "translate", "translate-hf", "translate-stay", "translate-auto", "translate-int8", "pipeline", "ct2", "ct2-int8"
+)  # fmt: skip
 
 
 def read_lines(path: Path, limit: int | None) -> list[str]:
@@ -82,6 +86,8 @@ def load(job: dict):
         translator = load_translator(model, device="cpu", dtype=dtype, int8=impl == "translate-int8")
         if impl == "translate-hf":
             beams["use_engine"] = False
+        if impl == "translate-stay":
+            beams["processors_for"] = lambda indices: [lambda input_ids, scores: scores]
         return (lambda lines: translator.translate(lines, progress=False, **beams)), tokenizer
     if impl == "pipeline":
         from transformers import pipeline
@@ -259,6 +265,7 @@ def print_ratios(rows: list[dict]) -> None:
     peer = {
         "translate": "ct2",
         "translate-hf": "ct2",
+        "translate-stay": "ct2",
         "pipeline": "ct2",
         "translate-auto": "ct2-int8",
         "translate-int8": "ct2-int8",

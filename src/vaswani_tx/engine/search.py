@@ -149,7 +149,7 @@ def beam_search(
         chosen = torch.topk(going_on, k=beams)[1]
         state.running, state.running_scores = gather(candidates, chosen), gather(going_on, chosen)
         rows = (torch.arange(count, device=device) * beams)[:, None] + gather(parents, chosen)
-        step.reorder(rows.reshape(-1), length)
+        step.reorder(rows.reshape(-1))
         # those that end join the finished hypotheses where they rank among the `beams` best, by score / lp(length)
         just_done = ends & top_beams[None, :]
         scores = top_scores / ((length + 1 - prompt) ** length_penalty)

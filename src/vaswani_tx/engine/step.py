@@ -1,8 +1,8 @@
 """The decoder's computation for decoding, one new position a step (Sections 3.1-3.4), in one precision.
 
 The model defines the maths; this file computes the same maths with what decoding allows and training does not:
-- the self-attention keys and values of the positions decoded so far are kept in one preallocated buffer per
-  layer (`KeysValues`: rows x heads x positions x d), written in place, one position a step;
+- the self-attention keys and values of the positions decoded so far grow by one position a step, and beam
+  search's reordering of the rows is applied in that same copy (`KeysValues`);
 - the encoder-decoder keys and values are computed once per source, not once per beam, and the beams of a source
   attend to them as one block of queries;
 - the products are those of one precision (`Products`): the model's own tensors (float32, or bfloat16 where the
@@ -101,20 +101,26 @@ def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling:
 
 
 class KeysValues:
-    """A layer's self-attention keys and values for every row: (rows, h, positions, d), written one position a
-    step; beam search reorders the rows in place (`select`)."""
+    """A layer's self-attention keys and values for every row, (rows, h, positions, d), one position longer each
+    step. Beam search's reordering of the rows (`select`) is kept as an order and applied when the next position
+    is added, in the same copy: one gather of the written positions a step, whatever the rows did in between."""
 
-    def __init__(self, rows: int, attention: Attention, positions: int, dtype, device):
-        self.keys = torch.empty(rows, attention.heads, positions, attention.d_k, dtype=dtype, device=device)
-        self.values = torch.empty(rows, attention.heads, positions, attention.d_v, dtype=dtype, device=device)
+    def __init__(self):
+        self.keys = self.values = self.order = None
 
-    def select(self, rows: torch.Tensor, written: int) -> None:
-        """Row i now continues row rows[i]: only the written positions move."""
-        if rows.numel() != self.keys.shape[0]:
-            self.keys, self.values = self.keys[rows], self.values[rows]
-            return
-        self.keys[:, :, :written] = self.keys[rows, :, :written]
-        self.values[:, :, :written] = self.values[rows, :, :written]
+    def select(self, rows: torch.Tensor) -> None:
+        """Row i now continues row rows[i]."""
+        self.order = rows if self.order is None else self.order[rows]
+
+    def add(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append the new position's keys and values (rows, h, 1, d); returns all of them."""
+        if self.keys is not None:
+            old_keys, old_values = self.keys, self.values
+            if self.order is not None:
+                old_keys, old_values = old_keys.index_select(0, self.order), old_values.index_select(0, self.order)
+            keys, values = torch.cat((old_keys, keys), dim=2), torch.cat((old_values, values), dim=2)
+        self.keys, self.values, self.order = keys, values, None
+        return keys, values
 
 
 class DecoderStep:
@@ -133,9 +139,9 @@ class DecoderStep:
         self.logits_bias = None if bias is None else bias.detach().float()
         self.dtype = products.dtype
 
-    def start(self, memory: torch.Tensor, source_mask: torch.Tensor | None, rows: int, positions: int) -> None:
+    def start(self, memory: torch.Tensor, source_mask: torch.Tensor | None, rows: int) -> None:
         """A call's state: `memory` (sources, S, D) the encoder output, `source_mask` (sources, S) 1 for real
-        tokens, `rows` = sources x beams, `positions` the most the decoder will write."""
+        tokens, `rows` = sources x beams."""
         memory = memory.to(self.dtype)
         sources = memory.shape[0]
         self.beams = rows // sources
@@ -155,7 +161,7 @@ class DecoderStep:
             self.source_mask = torch.zeros(allowed.shape, dtype=self.dtype, device=memory.device).masked_fill(
                 ~allowed, torch.finfo(self.dtype).min
             )
-        self.cache = [KeysValues(rows, layer.self_attn, positions, self.dtype, memory.device) for layer in self.layers]
+        self.cache = [KeysValues() for _ in self.layers]
 
     def keep_sources(self, sources: torch.Tensor) -> None:
         """Only these sources go on (the others are done): their encoder-decoder keys and values, mask and rows."""
@@ -163,12 +169,11 @@ class DecoderStep:
         if self.source_mask is not None:
             self.source_mask = self.source_mask[sources]
         rows = (sources[:, None] * self.beams + torch.arange(self.beams, device=sources.device)).reshape(-1)
-        for cache in self.cache:
-            cache.select(rows, 0)
+        self.reorder(rows)
 
-    def reorder(self, rows: torch.Tensor, written: int) -> None:
+    def reorder(self, rows: torch.Tensor) -> None:
         for cache in self.cache:
-            cache.select(rows, written)
+            cache.select(rows)
 
     @torch.inference_mode()
     def __call__(self, tokens: torch.Tensor, position: int) -> torch.Tensor:
@@ -177,10 +182,11 @@ class DecoderStep:
         groups = self.cross[0][0].shape[0] if self.cross else rows
         for layer, cache, (cross_keys, cross_values) in zip(self.layers, self.cache, self.cross):
             attention = layer.self_attn
-            cache.keys[:, :, position] = attention.split(attention.k(hidden), attention.d_k)[:, :, 0]
-            cache.values[:, :, position] = attention.split(attention.v(hidden), attention.d_v)[:, :, 0]
+            keys, values = cache.add(
+                attention.split(attention.k(hidden), attention.d_k),
+                attention.split(attention.v(hidden), attention.d_v),
+            )
             query = attention.split(attention.q(hidden), attention.d_k)
-            keys, values = cache.keys[:, :, : position + 1], cache.values[:, :, : position + 1]
             out = attend(query, keys, values, attention.scaling, None).transpose(1, 2).reshape(rows, 1, -1)
             hidden = layer.self_norm(hidden + attention.out(out))
             attention = layer.cross_attn  # a source's beams as one block of queries against its keys

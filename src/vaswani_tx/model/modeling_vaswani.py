@@ -32,8 +32,7 @@ named branch: `attention_bias` (biases on W^Q, W^K, W^V, W^O), `activation_funct
 own (`decoder_d_ff`). Marian's and fairseq's sin-half/cos-half layout of D needs no option: conversion
 permutes the weights.
 
-Copied next to saved weights for `trust_remote_code`: imports torch, transformers and the files that travel with
-it (the config, errors.py, skip_padding.py, dropout.py, generation_vaswani.py, the pipeline that config.json declares).
+Copied next to saved weights for `trust_remote_code` with the rest of model/: imports torch, transformers and model/.
 """
 
 from __future__ import annotations
@@ -858,9 +857,8 @@ class VaswaniForConditionalGeneration(VaswaniPreTrainedModel, VaswaniGenerationM
         return shift_tokens_right(labels, self.config.pad_token_id, self.config.decoder_start_token_id)
 
 
-if (
-    __name__ == "vaswani_tx.model.modeling_vaswani"
-):  # the package's copy; transformers registers a saved folder's itself
+# the package's copy registers its classes; transformers registers a saved folder's copy itself
+if __name__ == "vaswani_tx.model.modeling_vaswani":
     for auto, model_class in ((AutoModel, VaswaniModel), (AutoModelForSeq2SeqLM, VaswaniForConditionalGeneration)):
         auto.register(VaswaniConfig, model_class, exist_ok=True)
         model_class.register_for_auto_class(auto.__name__)
