@@ -35,6 +35,7 @@ from vaswani_tx.interop.convert import (
     marian_to_vaswani,
 )
 from vaswani_tx.interop.export import vaswani_to_marian
+from vaswani_tx.training.params import num_parameters_closed_form
 
 EN = [
     "a dog runs in the park .",
@@ -719,7 +720,7 @@ def test_options_count_and_validate():
         decoder_start_token_id=2,
     )
     model = VaswaniForConditionalGeneration(config)
-    assert sum(p.numel() for p in model.parameters()) == config.num_parameters_closed_form()
+    assert sum(p.numel() for p in model.parameters()) == num_parameters_closed_form(config)
     assert model.lm_head.weight.shape == (20, 16) and model.model.decoder.embeddings.embed_tokens.weight.shape == (
         20,
         16,

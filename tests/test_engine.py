@@ -141,11 +141,17 @@ def test_int8_gives_the_ids_of_transformers_loops_over_the_same_int8_products(be
 
 @pytest.mark.parametrize("beams", [1, 3])
 def test_bfloat16_gives_the_ids_of_transformers_loops_over_the_bfloat16_model(beams):
-    model = eos_prone(5).to(torch.bfloat16)
+    float32 = eos_prone(5)
+    model = copy.deepcopy(float32).to(torch.bfloat16)
     ids, mask = batch(seed=6, lengths=(5, 7))
     expected = model.generate(input_ids=ids, attention_mask=mask, num_beams=beams, use_engine=False)
     assert Translator(model).compute_type == "bfloat16"
     assert torch.equal(model.generate(input_ids=ids, attention_mask=mask, num_beams=beams), expected)
+    copied = Translator(float32, compute_type="bfloat16")  # a bfloat16 copy: the same path, the same ids
+    assert torch.equal(copied.generate(ids, mask, num_beams=beams), expected)
+    assert next(float32.parameters()).dtype == torch.float32
+    with pytest.raises(ValueError, match="int8 decoding runs on the CPU from float32 weights"):
+        Translator(model, compute_type="int8")
 
 
 def test_translate_batch_returns_each_sources_best_hypothesis():

@@ -5,9 +5,9 @@ The model defines the maths; this file computes the same maths with what decodin
   search's reordering of the rows is applied in that same copy (`KeysValues`);
 - the encoder-decoder keys and values are computed once per source, not once per beam, and the beams of a source
   attend to them as one block of queries;
-- the products are those of one precision (`Products`): the model's own tensors (float32, or bfloat16 where the
-  model is bfloat16), a bfloat16 copy, or int8 weights quantized per output channel (torch's dynamic quantized
-  linear, fbgemm's kernels on x86). The copies belong to the engine; the model is never changed.
+- the products are those of one precision (`Products`): the model's own tensors (float32 or bfloat16, as the
+  model is), or int8 weights quantized per output channel (torch's dynamic quantized linear, fbgemm's kernels on
+  x86). The int8 copies belong to the engine; the model is never changed.
 
 Every operation is the model's own in float32 (the same products, the attention's float32 softmax, LayerNorm), so
 a float32 step gives the logits of the model's decoder `forward` with a cache: search.py's loops then make
@@ -37,7 +37,7 @@ class Products:
     def __call__(self, layer: nn.Linear) -> Product:
         if self.compute_type == "int8":
             return int8_product(layer)
-        weight = layer.weight.detach().to(self.dtype)  # the model's own tensor where it has this dtype: no copy
+        weight = layer.weight.detach().to(self.dtype)  # the model's own tensor (it has this dtype): no copy
         bias = None if layer.bias is None else layer.bias.detach().to(self.dtype)
         return lambda x: F.linear(x, weight, bias)
 

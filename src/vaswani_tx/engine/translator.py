@@ -71,8 +71,9 @@ class TranslationResult:
 
 
 class Translator:
-    """A model and its decoder step of one precision, kept for many calls (the int8 and bfloat16 steps hold their
-    own copies of the weights; the float32 step reads the model's)."""
+    """A model and its decoder step of one precision, kept for many calls. The float32 and bfloat16 steps read the
+    model's own tensors (a model of the other dtype is copied into this one's, once); the int8 step holds its own
+    int8 copy of the decoder's linear maps, beside the model's float32 encoder."""
 
     def __init__(self, model_or_folder, compute_type: str = "default", device: str | torch.device | None = None):
         if isinstance(model_or_folder, (str, os.PathLike)):
@@ -84,8 +85,12 @@ class Translator:
         self.compute_type = own if compute_type in ("default", None) else compute_type
         if self.compute_type is None:
             raise ValueError(f"the engine decodes float32, bfloat16 and int8; this model is {self.model.dtype}")
-        if self.compute_type == "int8" and self.model.device.type != "cpu":
-            raise ValueError(f"int8 decoding runs on the CPU; this model is on {self.model.device}")
+        if self.compute_type == "int8" and (self.model.device.type != "cpu" or own != "float32"):
+            raise ValueError(f"int8 decoding runs on the CPU from float32 weights; this model is {self.model.dtype} "
+                             f"on {self.model.device}")  # fmt: skip
+        if self.compute_type in ("float32", "bfloat16") and self.compute_type != own:
+            # a copy of the whole model in that dtype, the encoder too: one path per precision (the model's own)
+            self.model = copy.deepcopy(self.model).to(getattr(torch, self.compute_type))
         self.step = DecoderStep(self.model, self.compute_type)
 
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **kwargs) -> torch.Tensor:

@@ -231,24 +231,6 @@ class VaswaniConfig(PreTrainedConfig):
         """Rows of the decoder's embedding and of the logits: `vocab_size` unless the vocabularies are separate."""
         return self.vocab_size if self.share_encoder_decoder_embeddings else self.decoder_vocab_size
 
-    def num_parameters_closed_form(self) -> int:
-        """Trainable parameters, from the sizes alone (Sections 3.2-3.5); checked against the built model in tests."""
-        d, h = self.d_model, self.num_heads
-        attention = d * h * self.d_k * 2 + d * h * self.d_v + h * self.d_v * d  # W^Q, W^K, W^V, W^O: no biases
-        if self.attention_bias:
-            attention += h * self.d_k * 2 + h * self.d_v + d
-        ffn = d * self.d_ff + self.d_ff + self.d_ff * d + d  # W1, b1, W2, b2
-        decoder_d_ff = self.decoder_d_ff or self.d_ff
-        decoder_ffn = d * decoder_d_ff + decoder_d_ff + decoder_d_ff * d + d
-        norm = 2 * d
-        encoder = self.num_encoder_layers * (attention + ffn + 2 * norm)
-        decoder = self.num_decoder_layers * (2 * attention + decoder_ffn + 3 * norm)
-        embeddings = self.vocab_size * d + self.target_vocab_size * d * (
-            (0 if self.share_encoder_decoder_embeddings else 1) + (0 if self.tie_word_embeddings else 1)
-        )
-        positions = 2 * self.max_position_embeddings * d if self.position_encoding == "learned" else 0
-        return encoder + decoder + embeddings + positions
-
 
 def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)

@@ -14,8 +14,6 @@ and the model raise these errors): it imports nothing but the standard library (
 
 from __future__ import annotations
 
-import contextlib
-import logging
 import re
 
 
@@ -129,26 +127,6 @@ def weights_against_config(config, loading_info: dict) -> str | None:
     )
 
 
-@contextlib.contextmanager
-def held_load_report():
-    """Hold back transformers' loading report (a table of every misfit weight) while `from_pretrained` runs: when
-    the weights do not fit, one error naming the config fields says it instead; otherwise it is logged as it was."""
-    logger = logging.getLogger("transformers.modeling_utils")
-    held: list[logging.LogRecord] = []
-
-    def hold(record: logging.LogRecord) -> bool:
-        if "LOAD REPORT" in str(record.msg):
-            held.append(record)
-            return False
-        return True
-
-    logger.addFilter(hold)
-    try:
-        yield held
-    finally:
-        logger.removeFilter(hold)
-
-
 def load_fitting_weights(from_pretrained, *args, **kwargs):
     """`from_pretrained(*args, **kwargs)` (transformers'), refusing weights that do not fit the config with a
     `UserInputError` naming the config fields (`weights_against_config`), where transformers raises a bare
@@ -157,14 +135,11 @@ def load_fitting_weights(from_pretrained, *args, **kwargs):
     if "ignore_mismatched_sizes" in kwargs:
         return from_pretrained(*args, **kwargs)
     wants_info = kwargs.pop("output_loading_info", False)
-    with held_load_report() as report:
-        model, info = from_pretrained(*args, ignore_mismatched_sizes=True, output_loading_info=True, **kwargs)
+    model, info = from_pretrained(*args, ignore_mismatched_sizes=True, output_loading_info=True, **kwargs)
     problem = weights_against_config(model.config, info)
     if problem:
         source = args[0] if args else kwargs.get("pretrained_model_name_or_path")
         raise UserInputError(f"{source}: {problem}")
-    for record in report:
-        logging.getLogger("transformers.modeling_utils").handle(record)
     return (model, info) if wants_info else model
 
 
@@ -173,7 +148,6 @@ __all__ = [
     "check_decoder_mask",
     "check_mask",
     "check_token_ids",
-    "held_load_report",
     "load_fitting_weights",
     "weights_against_config",
 ]

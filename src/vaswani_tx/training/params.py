@@ -14,6 +14,25 @@ from vaswani_tx.model.errors import UserInputError
 from vaswani_tx.model.modeling_vaswani import VaswaniForConditionalGeneration
 
 
+def num_parameters_closed_form(config) -> int:
+    """Trainable parameters, from the sizes alone (Sections 3.2-3.5); checked against the built model in tests."""
+    d, h = config.d_model, config.num_heads
+    attention = d * h * config.d_k * 2 + d * h * config.d_v + h * config.d_v * d  # W^Q, W^K, W^V, W^O: no biases
+    if config.attention_bias:
+        attention += h * config.d_k * 2 + h * config.d_v + d
+    ffn = d * config.d_ff + config.d_ff + config.d_ff * d + d  # W1, b1, W2, b2
+    decoder_d_ff = config.decoder_d_ff or config.d_ff
+    decoder_ffn = d * decoder_d_ff + decoder_d_ff + decoder_d_ff * d + d
+    norm = 2 * d
+    encoder = config.num_encoder_layers * (attention + ffn + 2 * norm)
+    decoder = config.num_decoder_layers * (2 * attention + decoder_ffn + 3 * norm)
+    embeddings = config.vocab_size * d + config.target_vocab_size * d * (
+        (0 if config.share_encoder_decoder_embeddings else 1) + (0 if config.tie_word_embeddings else 1)
+    )
+    positions = 2 * config.max_position_embeddings * d if config.position_encoding == "learned" else 0
+    return encoder + decoder + embeddings + positions
+
+
 def load_model_config(path: str | Path) -> VaswaniConfig:
     """A `VaswaniConfig` from a JSON file such as `configs/model/base.json` (or a model folder's config.json)."""
     path = Path(path)
@@ -83,7 +102,7 @@ def parameter_table(files: list[Path]) -> tuple[list[dict], bool]:
     for file in files:
         config = load_model_config(file)
         built = count_parameters(config)
-        closed = config.num_parameters_closed_form()
+        closed = num_parameters_closed_form(config)
         reported = paper.get(file.stem)
         checks = []
         if built != closed:
