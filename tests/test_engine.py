@@ -167,8 +167,8 @@ def test_translate_batch_returns_each_sources_best_hypothesis():
 
 
 def test_two_threads_and_two_models_each_get_what_they_get_alone():
-    """Nothing is shared between calls: two threads through one model, and a float32 and an int8 translator of
-    two models in one process, each give the single-threaded result."""
+    """Nothing is shared between calls: two threads through one model, two threads through one int8 translator, and
+    a float32 and an int8 translator of two models in one process, each give the single-threaded result."""
     model, other = eos_prone(7), eos_prone(8)
     int8 = Translator(other, compute_type="int8")
     inputs = [batch(seed=s, lengths=lengths) for s, lengths in ((8, (7, 3)), (9, (5, 6, 2)))]
@@ -179,12 +179,16 @@ def test_two_threads_and_two_models_each_get_what_they_get_alone():
     def run(key, call):
         results[key] = [call() for _ in range(3)]
 
+    alone_int8_other = int8.generate(*inputs[1], num_beams=2)
     threads = [
         threading.Thread(
             target=run, args=(n, lambda i=i, m=m: model.generate(input_ids=i, attention_mask=m, num_beams=3))
         )
         for n, (i, m) in enumerate(inputs)
-    ] + [threading.Thread(target=run, args=("int8", lambda: int8.generate(*inputs[0], num_beams=2)))]
+    ] + [  # one int8 translator shared by two threads
+        threading.Thread(target=run, args=("int8", lambda: int8.generate(*inputs[0], num_beams=2))),
+        threading.Thread(target=run, args=("int8-other", lambda: int8.generate(*inputs[1], num_beams=2))),
+    ]
     for thread in threads:
         thread.start()
     for thread in threads:
@@ -192,6 +196,7 @@ def test_two_threads_and_two_models_each_get_what_they_get_alone():
     for n in range(2):
         assert all(torch.equal(out, alone[n]) for out in results[n])
     assert all(torch.equal(out, alone_int8) for out in results["int8"])
+    assert all(torch.equal(out, alone_int8_other) for out in results["int8-other"])
 
 
 def test_a_saved_model_decodes_the_engines_ids_where_vaswani_tx_is_not_installed(tmp_path):

@@ -1,4 +1,4 @@
-"""Greedy search and beam search over a `DecoderStep`, for any batch size (a single sentence is a batch of one).
+"""Greedy search and beam search over a call's `Decoding` (step.py), for any batch size (a single sentence is a batch of one).
 
 Both make transformers' choices (`GenerationMixin._sample` without sampling, `_beam_search`), step for step, from
 the same float32 scores, so that the ids are transformers' own (tested against its loops):
@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from transformers.generation import logits_process
 
-from .step import DecoderStep
+from .step import Decoding
 
 # Processors that treat each row on its own: a row that leaves the batch changes nothing for the others.
 ROW_WISE = (
@@ -52,7 +52,7 @@ class Processors:
 
 
 def greedy_search(
-    step: DecoderStep, start: torch.Tensor, processors: Processors, max_length: int, eos: list[int], pad: int
+    step: Decoding, start: torch.Tensor, processors: Processors, max_length: int, eos: list[int], pad: int
 ) -> torch.Tensor:
     """The argmax of the processed logits a step, until every row has ended with `</s>` or `max_length` is reached
     (transformers' `_sample` without sampling). `start` (B,): the decoder's first token per row. Returns (B, length),
@@ -114,7 +114,7 @@ def gather(tensor: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
 
 
 def beam_search(
-    step: DecoderStep,
+    step: Decoding,
     start: torch.Tensor,
     processors: Processors,
     max_length: int,

@@ -124,8 +124,9 @@ class KeysValues:
 
 
 class DecoderStep:
-    """The decoder of `model` as a step over one new position: `start` a call's state from the encoder output,
-    then `__call__(tokens, position)` gives the logits (rows, V) in float32."""
+    """The decoder of `model` as a step over one new position, its products made once: `start` a call from the
+    encoder output, then call that call's `Decoding` with the tokens of each position. The step holds no call's
+    state, so threads may share it."""
 
     def __init__(self, model: nn.Module, compute_type: str = "float32"):
         if compute_type not in COMPUTE_TYPES:
@@ -139,29 +140,29 @@ class DecoderStep:
         self.logits_bias = None if bias is None else bias.detach().float()
         self.dtype = products.dtype
 
-    def start(self, memory: torch.Tensor, source_mask: torch.Tensor | None, rows: int) -> None:
+    def start(self, memory: torch.Tensor, source_mask: torch.Tensor | None, rows: int) -> Decoding:
         """A call's state: `memory` (sources, S, D) the encoder output, `source_mask` (sources, S) 1 for real
         tokens, `rows` = sources x beams."""
-        memory = memory.to(self.dtype)
-        sources = memory.shape[0]
-        self.beams = rows // sources
-        self.cross = []
-        for layer in self.layers:
-            attention = layer.cross_attn
-            self.cross.append(
-                (
-                    attention.split(attention.k(memory), attention.d_k),
-                    attention.split(attention.v(memory), attention.d_v),
-                )
-            )
-        padded = source_mask is not None and not bool(source_mask.all())
+        return Decoding(self, memory.to(self.dtype), source_mask, rows)
+
+
+class Decoding:
+    """One call's decoding state over a `DecoderStep`: the encoder-decoder keys and values of each source, the
+    sources' mask, and each layer's self-attention keys and values."""
+
+    def __init__(self, step: DecoderStep, memory: torch.Tensor, source_mask: torch.Tensor | None, rows: int):
+        self.step, self.beams = step, rows // memory.shape[0]
+        self.cross = [
+            (attention.split(attention.k(memory), attention.d_k), attention.split(attention.v(memory), attention.d_v))
+            for attention in (layer.cross_attn for layer in step.layers)
+        ]
         self.source_mask = None
-        if padded:  # additive, as the model's: the dtype's minimum where a key is padding
+        if source_mask is not None and not bool(source_mask.all()):  # additive, as the model's: the dtype's minimum
             allowed = source_mask[:, None, None, :].bool()
-            self.source_mask = torch.zeros(allowed.shape, dtype=self.dtype, device=memory.device).masked_fill(
-                ~allowed, torch.finfo(self.dtype).min
+            self.source_mask = torch.zeros(allowed.shape, dtype=step.dtype, device=memory.device).masked_fill(
+                ~allowed, torch.finfo(step.dtype).min
             )
-        self.cache = [KeysValues() for _ in self.layers]
+        self.cache = [KeysValues() for _ in step.layers]
 
     def keep_sources(self, sources: torch.Tensor) -> None:
         """Only these sources go on (the others are done): their encoder-decoder keys and values, mask and rows."""
@@ -177,10 +178,11 @@ class DecoderStep:
 
     @torch.inference_mode()
     def __call__(self, tokens: torch.Tensor, position: int) -> torch.Tensor:
-        rows = tokens.shape[0]
-        hidden = self.embeddings(tokens[:, None], offset=position)[0].to(self.dtype)  # (rows, 1, D)
+        """The logits (rows, V), in float32, of the next position after `tokens` (rows,) at `position`."""
+        step, rows = self.step, tokens.shape[0]
+        hidden = step.embeddings(tokens[:, None], offset=position)[0].to(step.dtype)  # (rows, 1, D)
         groups = self.cross[0][0].shape[0] if self.cross else rows
-        for layer, cache, (cross_keys, cross_values) in zip(self.layers, self.cache, self.cross):
+        for layer, cache, (cross_keys, cross_values) in zip(step.layers, self.cache, self.cross):
             attention = layer.self_attn
             keys, values = cache.add(
                 attention.split(attention.k(hidden), attention.d_k),
@@ -194,5 +196,5 @@ class DecoderStep:
             out = attend(query, cross_keys, cross_values, attention.scaling, self.source_mask)
             hidden = layer.cross_norm(hidden + attention.out(out.transpose(1, 2).reshape(rows, 1, -1)))
             hidden = layer.ffn_norm(hidden + layer.w_2(layer.activation(layer.w_1(hidden))))
-        logits = self.project(hidden[:, 0]).float()
-        return logits if self.logits_bias is None else logits + self.logits_bias
+        logits = step.project(hidden[:, 0]).float()
+        return logits if step.logits_bias is None else logits + step.logits_bias

@@ -187,8 +187,7 @@ def serve(model, translator: Translator | None, inputs, generation_config, logit
     with torch.inference_mode():
         memory = model.get_encoder()(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
         beams = config.num_beams or 1
-        step = translator.step
-        step.start(memory, attention_mask, input_ids.shape[0] * beams)
+        step = translator.step.start(memory, attention_mask, input_ids.shape[0] * beams)
         first = torch.full((input_ids.shape[0],), start, dtype=torch.long, device=input_ids.device)
         if beams == 1:
             return greedy_search(step, first, processors, max_length, eos, pad)
