@@ -28,21 +28,18 @@ COMPUTE_TYPES = ("float32", "bfloat16", "int8")
 
 
 class Products:
-    """The linear maps x W^T + b of one precision (`compute_type`), made once per engine from the model's layers."""
+    """The linear maps x W^T + b of one precision (`compute_type`), made once per engine from the model's layers:
+    the model's own tensors for float32 and bfloat16 (the model has that dtype: `Translator` sees to it), an int8
+    copy for int8."""
 
     def __init__(self, compute_type: str):
         self.compute_type = compute_type
-        self.dtype = torch.bfloat16 if compute_type == "bfloat16" else torch.float32
 
     def __call__(self, layer: nn.Linear) -> Product:
         if self.compute_type == "int8":
             return int8_product(layer)
-        weight = layer.weight.detach().to(self.dtype)  # the model's own tensor (it has this dtype): no copy
-        bias = None if layer.bias is None else layer.bias.detach().to(self.dtype)
+        weight, bias = layer.weight.detach(), None if layer.bias is None else layer.bias.detach()
         return lambda x: F.linear(x, weight, bias)
-
-    def tensor(self, tensor: torch.Tensor | None) -> torch.Tensor | None:
-        return None if tensor is None else tensor.detach().to(self.dtype)
 
 
 def int8_product(layer: nn.Linear) -> Int8Linear:
@@ -72,9 +69,9 @@ class Attention:
 
 
 class Norm:
-    def __init__(self, module: nn.LayerNorm, products: Products):
+    def __init__(self, module: nn.LayerNorm):
         self.shape, self.eps = module.normalized_shape, module.eps
-        self.weight, self.bias = products.tensor(module.weight), products.tensor(module.bias)
+        self.weight, self.bias = module.weight.detach(), module.bias.detach()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return F.layer_norm(x, self.shape, self.weight, self.bias, self.eps)
@@ -86,10 +83,10 @@ class Layer:
 
     def __init__(self, layer: nn.Module, products: Products):
         self.self_attn, self.cross_attn = Attention(layer.self_attn, products), Attention(layer.cross_attn, products)
-        self.self_norm, self.cross_norm = Norm(layer.self_attn_norm, products), Norm(layer.cross_attn_norm, products)
+        self.self_norm, self.cross_norm = Norm(layer.self_attn_norm), Norm(layer.cross_attn_norm)
         self.w_1, self.w_2 = products(layer.feed_forward.w_1), products(layer.feed_forward.w_2)
         self.activation = layer.feed_forward.activation  # ReLU (Equation 2), or a converted model's swish
-        self.ffn_norm = Norm(layer.feed_forward_norm, products)
+        self.ffn_norm = Norm(layer.feed_forward_norm)
 
 
 def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float, mask) -> torch.Tensor:
@@ -131,6 +128,9 @@ class DecoderStep:
     def __init__(self, model: nn.Module, compute_type: str = "float32"):
         if compute_type not in COMPUTE_TYPES:
             raise ValueError(f"compute_type {compute_type!r}: choose one of {', '.join(COMPUTE_TYPES)}")
+        self.dtype = next(model.parameters()).dtype  # the step computes in the model's dtype (int8: float32 around)
+        if self.dtype != {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.float32}[compute_type]:
+            raise ValueError(f"a {compute_type} step needs a model in that dtype (float32 for int8), not {self.dtype}")
         products = self.products = Products(compute_type)
         decoder = model.get_decoder()
         self.embeddings = decoder.embeddings  # the token table x sqrt(d_model) plus positions (Sections 3.4-3.5)
@@ -138,12 +138,11 @@ class DecoderStep:
         self.project = products(model.get_output_embeddings())  # the pre-softmax projection (Section 3.4)
         bias = getattr(model, "final_logits_bias", None) if model.config.final_logits_bias else None
         self.logits_bias = None if bias is None else bias.detach().float()
-        self.dtype = products.dtype
 
     def start(self, memory: torch.Tensor, source_mask: torch.Tensor | None, rows: int) -> Decoding:
         """A call's state: `memory` (sources, S, D) the encoder output, `source_mask` (sources, S) 1 for real
         tokens, `rows` = sources x beams."""
-        return Decoding(self, memory.to(self.dtype), source_mask, rows)
+        return Decoding(self, memory, source_mask, rows)
 
 
 class Decoding:
@@ -180,7 +179,7 @@ class Decoding:
     def __call__(self, tokens: torch.Tensor, position: int) -> torch.Tensor:
         """The logits (rows, V), in float32, of the next position after `tokens` (rows,) at `position`."""
         step, rows = self.step, tokens.shape[0]
-        hidden = step.embeddings(tokens[:, None], offset=position)[0].to(step.dtype)  # (rows, 1, D)
+        hidden = step.embeddings(tokens[:, None], offset=position)[0]  # (rows, 1, D)
         groups = self.cross[0][0].shape[0] if self.cross else rows
         for layer, cache, (cross_keys, cross_values) in zip(step.layers, self.cache, self.cross):
             attention = layer.self_attn

@@ -60,6 +60,7 @@ SUPPORTED = {
     "low_memory": (None, False),
 }
 DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
+CONFIG_FIELDS = frozenset(vars(GenerationConfig()))  # what a generate() keyword may set in the generation config
 
 
 @dataclass
@@ -166,7 +167,7 @@ def serve(model, translator: Translator | None, inputs, generation_config, logit
         or model.training
         or (stopping is not None and len(stopping) > 0)
         or kwargs.get("streamer") is not None
-        or any(name not in MODEL_INPUTS and not hasattr(GenerationConfig(), name) for name in kwargs)
+        or any(name not in MODEL_INPUTS and name not in CONFIG_FIELDS for name in kwargs)
     ):
         return None
     config = copy.deepcopy(generation_config if generation_config is not None else model.generation_config)

@@ -33,11 +33,12 @@ from transformers.cache_utils import StaticLayer
 from transformers.generation.logits_process import LogitsProcessor, LogitsProcessorList
 from transformers.modeling_outputs import Seq2SeqLMOutput
 
+from .configuration_vaswani import _is_int
 from .errors import UserInputError
 
-# The decoding cache's name in model outputs: `cache` from transformers 5.24 on, `past_key_values` before.
 logger = logging.getLogger(__name__)
 
+# The decoding cache's name in model outputs: `cache` from transformers 5.24 on, `past_key_values` before.
 CACHE_FIELD = "cache" if "cache" in Seq2SeqLMOutput.__dataclass_fields__ else "past_key_values"
 
 
@@ -52,7 +53,7 @@ def decoding_cache(past_key_values=None, cache=None):
     if any(isinstance(layer, StaticLayer) for layer in layers):
         raise UserInputError(
             "cache_implementation='static' is not supported: the model's attention reads every position a cache "
-            "holds; decode with the default dynamic cache (the package's engine keeps a preallocated cache itself)"
+            "holds; decode with the default dynamic cache"
         )
     return cache
 
@@ -128,10 +129,6 @@ def paper_generation_config(config) -> GenerationConfig:
         pad_token_id=config.pad_token_id,
         decoder_start_token_id=config.decoder_start_token_id,
     )
-
-
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def check_generate_arguments(config: GenerationConfig, kwargs: dict, inputs: torch.Tensor | None) -> None:
@@ -275,11 +272,6 @@ class VaswaniGenerationMixin(GenerationMixin):
         return super().generate(
             inputs, generation_config=generation_config, logits_processor=logits_processor, **kwargs
         )
-
-    def create_masks_for_generate(self, config=None, inputs_embeds=None, attention_mask=None, **kwargs):
-        """The decoder's mask as it was given (2D or None): the model builds its own additive masks, over the
-        positions a cache holds, rather than read the 4D ones transformers makes for compilable caches."""
-        return attention_mask
 
     def _source_lengths(
         self, input_ids: torch.Tensor | None, attention_mask: torch.Tensor | None
