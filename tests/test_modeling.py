@@ -169,8 +169,8 @@ def test_source_padding_does_not_change_real_positions(attn):
 
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
 def test_a_mask_of_ones_is_no_mask_to_the_encoder(attn):
-    """A source without padding (a sentence a call): the encoder skips its mask of ones, with the same output as
-    the masked path (a mask of zeros added to every score) to the last bit, and the same attention weights."""
+    """A source without padding (a single sentence): no mask gives the output of the masked path (a mask of zeros
+    added to every score) to the last bit, and the same attention weights, so the engine drops a mask of ones."""
     from vaswani_tx.model.skip_padding import PaddingPlan
 
     model = tiny_model(attn_implementation=attn)

@@ -41,7 +41,6 @@ from vaswani_tx.data.tokenization import check_tokenizer_fits_model, drop_format
 from vaswani_tx.folders import check_safetensors
 from vaswani_tx.metrics.evaluation import read_text
 from vaswani_tx.model.errors import UserInputError
-from vaswani_tx.model.pipeline_vaswani import MAX_TOKENS, plan_batches
 from vaswani_tx.model.vocabulary import drop_format_characters
 
 logger = logging.getLogger(__name__)
@@ -50,6 +49,37 @@ WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
 
 # Characters str.splitlines() treats as line ends: a hypothesis holding one would shift every later line.
 _LINE_BREAKS = re.compile("[\n\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029]")
+
+
+# A batch's budget, as Marian's and fairseq's: at most this many padded source tokens (`max_tokens`)
+MAX_TOKENS = 4096
+
+
+def plan_batches(lengths: Sequence[int], max_tokens: int, max_sentences: int | None = None) -> list[list[int]]:
+    """Group indices into batches of at most ``max_tokens`` padded source tokens, longest first.
+
+    Sorting by length keeps padding small; the longest batch comes first so that running out of
+    memory shows at once rather than after an hour. A sentence longer than the budget gets a batch of
+    its own (decoding never drops a line, unlike training's sampler). Ties keep input order.
+    """
+    if max_tokens < 1:
+        raise UserInputError(f"max_tokens must be at least 1, got {max_tokens}")
+    if max_sentences is not None and max_sentences < 1:
+        raise UserInputError(f"max_sentences (batch size) must be at least 1, got {max_sentences}")
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    batches: list[list[int]] = []
+    current: list[int] = []
+    for index in order:
+        # lengths only fall along the order, so the batch's first sentence is its longest
+        longest = lengths[current[0]] if current else lengths[index]
+        full = max_sentences is not None and len(current) >= max_sentences
+        if current and (full or longest * (len(current) + 1) > max_tokens):
+            batches.append(current)
+            current = []
+        current.append(index)
+    if current:
+        batches.append(current)
+    return batches
 
 
 def one_line(text: str) -> str:

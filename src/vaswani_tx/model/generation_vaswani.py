@@ -12,9 +12,9 @@ Where this departs from the paper (pinned by a test): beam search uses `generate
 a sentence stops once `num_beams` hypotheses have ended, the closest `generate()` comes to "terminate
 early when possible" (Section 6.1).
 
-`generate()` refuses impossible arguments (a beam of 0, an empty batch, a negative length offset, ...) with a
-`UserInputError` (a ValueError) naming the argument, before transformers' own code would fail on them with an
-error about something else (a division by zero, a reduction of an empty tensor).
+`generate()` refuses impossible arguments of its own (an empty batch, a length offset that leaves a source no
+token, ...) with a `UserInputError` (a ValueError) naming the argument, before torch would fail on them with an
+error about something else (a reduction of an empty tensor); the engine checks its search's (a beam of 0).
 
 This file travels with saved weights for `trust_remote_code` (the model imports it): torch, transformers and
 errors.py only.
@@ -25,7 +25,6 @@ from __future__ import annotations
 import copy
 import importlib.util
 import logging
-import math
 
 import torch
 from transformers import GenerationConfig, GenerationMixin
@@ -132,12 +131,12 @@ def paper_generation_config(config) -> GenerationConfig:
 
 
 def check_generate_arguments(config: GenerationConfig, kwargs: dict, inputs: torch.Tensor | None) -> None:
-    """Refuse `generate()` arguments no decoding can follow (each given or from the generation config), naming the
-    argument, its value and what is allowed: `num_beams` and `num_return_sequences` must be whole numbers >= 1,
-    `length_penalty` a finite number, `max_output_length_offset` a whole number (negative: shorter than the source;
-    `generate` checks that every source keeps at least one token), `max_len_b` a whole number >= 0 and `max_len_a`
-    a number >= 0 (or None); the batch (`inputs`, `input_ids` or `inputs_embeds`) must hold at least one sequence
-    of at least one position, and ids are integers.
+    """Refuse the arguments of the caps below that no decoding can follow (each given or from the generation
+    config), naming the argument, its value and what is allowed: `max_output_length_offset` a whole number
+    (negative: shorter than the source; `generate` checks that every source keeps at least one token), `max_len_b`
+    a whole number >= 0 and `max_len_a` a number >= 0 (or None); the batch (`inputs`, `input_ids` or
+    `inputs_embeds`) must hold at least one sequence of at least one position, and ids are integers. (The engine
+    checks the search's own settings, `num_beams` and the like.)
 
     Raises:
         UserInputError: the first argument that cannot be used."""
@@ -145,15 +144,6 @@ def check_generate_arguments(config: GenerationConfig, kwargs: dict, inputs: tor
     def value(name: str):
         return kwargs[name] if name in kwargs else getattr(config, name, None)
 
-    for name in ("num_beams", "num_return_sequences"):
-        given = value(name)
-        if given is not None and (not _is_int(given) or given < 1):
-            raise UserInputError(f"generate(): {name}={given!r} is not allowed; it must be a whole number >= 1.")
-    penalty = value("length_penalty")
-    if penalty is not None and (
-        isinstance(penalty, bool) or not isinstance(penalty, (int, float)) or not math.isfinite(penalty)
-    ):
-        raise UserInputError(f"generate(): length_penalty={penalty!r} is not allowed; it must be a finite number.")
     offset = value("max_output_length_offset")
     if offset is not None and not _is_int(offset):
         raise UserInputError(
@@ -200,12 +190,13 @@ class VaswaniGenerationMixin(GenerationMixin):
         **kwargs,
     ):
         """`GenerationMixin.generate` with the GNMT length penalty and a maximum output length per source.
-        Passing `max_length` or `max_new_tokens` replaces the latter with that global limit."""
+        Passing `max_length` or `max_new_tokens` replaces the latter with that global limit. Every output is at
+        most `max_position_embeddings` tokens long, the positions the model was made for. Padded `input_ids`
+        without an `attention_mask` are masked where they hold `pad_token_id`, as the pipeline's are."""
         config = generation_config if generation_config is not None else self.generation_config
         check_generate_arguments(config, kwargs, inputs)
         translator = kwargs.pop("translator", None)  # an engine `Translator` of another precision (int8)
         use_engine = kwargs.pop("use_engine", True)  # False: transformers' own loops, whatever is installed
-        cap = None
         penalty_type = kwargs.pop("length_penalty_type", getattr(config, "length_penalty_type", "hf"))
         offset_given = kwargs.get("max_output_length_offset") is not None
         cap_given = kwargs.get("max_len_b") is not None
@@ -220,6 +211,15 @@ class VaswaniGenerationMixin(GenerationMixin):
             )
         if penalty_type == "gnmt":
             kwargs["length_penalty"] = GNMTLengthPenalty(kwargs.get("length_penalty", config.length_penalty))
+        ids, pad = (inputs if inputs is not None else kwargs.get("input_ids")), self.config.pad_token_id
+        ids = ids if isinstance(ids, torch.Tensor) and ids.dtype == torch.long else None
+        if kwargs.get("attention_mask") is None and ids is not None and pad is not None and bool(ids.eq(pad).any()):
+            logger.warning(
+                "generate(): input_ids hold padding (pad_token_id=%d) and no attention_mask was given; the padding "
+                "is masked. Pass the tokenizer's attention_mask to silence this.",
+                pad,
+            )
+            kwargs["attention_mask"] = ids.ne(pad).long()
 
         explicit_limit = any(kwargs.get(k) is not None for k in ("max_length", "max_new_tokens"))
         if generation_config is not None:  # a caller's own config counts as explicit where it sets a limit
@@ -227,14 +227,17 @@ class VaswaniGenerationMixin(GenerationMixin):
                 generation_config.max_new_tokens is not None
                 or (generation_config.max_length is not None and generation_config.max_length != 20)
             )
-        source_lengths = self._source_lengths(
-            inputs if inputs is not None else kwargs.get("input_ids"), kwargs.get("attention_mask")
-        )
+        mask = kwargs.get("attention_mask")
+        source_lengths = mask.sum(-1).long() if mask is not None else None
+        if source_lengths is None and ids is not None:
+            source_lengths = torch.full(ids.shape[:1], ids.shape[1], device=ids.device)
         fairseq_cap = max_len_b is not None
+        prefix = kwargs["decoder_input_ids"].shape[1] if kwargs.get("decoder_input_ids") is not None else 1
+        positions = self.config.max_position_embeddings
         if (offset is not None or fairseq_cap) and not explicit_limit and source_lengths is not None:
             if fairseq_cap:  # fairseq's max_len, then one more step for the forced </s>
                 tokens = (float(max_len_a or 0.0) * source_lengths.double() + int(max_len_b)).long()
-                limits = tokens.clamp(max=self.config.max_position_embeddings - 1) + 1
+                limits = tokens.clamp(max=positions - 1) + 1
             else:
                 limits = source_lengths + int(offset)  # (B,)
                 if int(limits.min()) < 1:
@@ -246,10 +249,15 @@ class VaswaniGenerationMixin(GenerationMixin):
             # As max_length (decoder prefix + longest cap), not max_new_tokens: a saved generation config
             # that carries a max_length (Seq2SeqTrainer's evaluation writes its defaults into the model's)
             # would otherwise clash with it and make generate() warn.
-            prefix = kwargs["decoder_input_ids"].shape[1] if kwargs.get("decoder_input_ids") is not None else 1
             kwargs["max_length"] = prefix + int(limits.max())
             cap = SourceLengthCap(limits, self.config.eos_token_id, score_forced_eos=fairseq_cap)
             logits_processor = LogitsProcessorList([*(logits_processor or []), cap])
+        # Nothing runs unbounded: no output past the positions the model was made for, whatever limit was asked.
+        new_tokens = kwargs.get("max_new_tokens", config.max_new_tokens)
+        if new_tokens is not None and prefix + new_tokens > positions:
+            kwargs["max_new_tokens"] = max(positions - prefix, 1)
+        elif new_tokens is None and (kwargs.get("max_length") or config.max_length or 0) > positions:
+            kwargs["max_length"] = positions
         # The one bridge to the package: its engine, where vaswani_tx is installed (a saved folder's copy of this
         # file, loaded with trust_remote_code elsewhere, decodes with transformers' loops, to the same ids).
         serve = None
@@ -263,22 +271,6 @@ class VaswaniGenerationMixin(GenerationMixin):
         )
         if decoded is not None:
             return decoded
-        if translator is not None and translator.compute_type != "float32":
-            logger.warning(
-                "generate(): these settings need transformers' loops, which decode the model in its own dtype, "
-                "not the %s translator's step",
-                translator.compute_type,
-            )
         return super().generate(
             inputs, generation_config=generation_config, logits_processor=logits_processor, **kwargs
         )
-
-    def _source_lengths(
-        self, input_ids: torch.Tensor | None, attention_mask: torch.Tensor | None
-    ) -> torch.Tensor | None:
-        """Source lengths in tokens, end-of-sentence included, from the attention mask or the padding."""
-        if attention_mask is not None:
-            return attention_mask.sum(-1).long()
-        if input_ids is not None and input_ids.dtype == torch.long:
-            return input_ids.ne(self.config.pad_token_id).sum(-1).long()
-        return None

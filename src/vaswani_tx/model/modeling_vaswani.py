@@ -23,14 +23,8 @@ Where this file departs from the paper, and why (each is pinned by a test):
 - Attention weights are normalised in float32 when the model runs in bf16/fp16, so that the softmax
   keeps its precision; masked positions get the dtype's minimum, never -inf, so a fully masked row
   gives uniform weights instead of NaN.
-Options where the paper itself varies the model (Table 3): `num_heads`, `d_k`, `d_v`, sizes, dropouts,
-and learned positions (row E). `tie_word_embeddings=False` unties the pre-softmax projection.
-Options that only published checkpoints need (`vaswani_tx.interop.convert`), all off by default, each a small
-named branch: `attention_bias` (biases on W^Q, W^K, W^V, W^O), `activation_function="swish"`,
-`position_encoding="fairseq_sinusoidal"`, `final_logits_bias`, separate source and target vocabularies
-(`share_encoder_decoder_embeddings=False`, `decoder_vocab_size`), and a decoder feed-forward size of its
-own (`decoder_d_ff`). Marian's and fairseq's sin-half/cos-half layout of D needs no option: conversion
-permutes the weights.
+Options (`VaswaniConfig` documents each): where the paper itself varies the model (Table 3), and what published
+checkpoints need (`vaswani_tx.interop.convert`), all off by default, each a small named branch.
 
 Copied next to saved weights for `trust_remote_code` with the rest of model/: imports torch, transformers and model/.
 """
@@ -52,6 +46,7 @@ from transformers.modeling_outputs import (
     Seq2SeqModelOutput,
 )
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.models.bart.modeling_bart import shift_tokens_right
 
 from .configuration_vaswani import VaswaniConfig
 from .dropout import Dropout, apply_dropout
@@ -141,11 +136,6 @@ def positional_encoding(config: VaswaniConfig) -> nn.Module:
 # ---------------------------------------------------------------------------------------------------
 # 3.2 Attention
 # ---------------------------------------------------------------------------------------------------
-
-
-def unpadded_on_cpu(key_mask: torch.Tensor | None) -> bool:
-    """Whether `key_mask` (B, S) is a CPU tensor of ones only (no padding), so that it masks nothing."""
-    return key_mask is not None and key_mask.device.type == "cpu" and bool(key_mask.all())
 
 
 def additive_mask(
@@ -444,12 +434,6 @@ class Encoder(nn.Module):
         check_mask(attention_mask, source, "attention_mask", "input_ids")
         output_attentions = bool(output_attentions)
         return_dict = self.config.return_dict if return_dict is None else return_dict
-        if padding is None and unpadded_on_cpu(attention_mask):
-            # Nothing is padding (a sentence a call): the same attention as no mask at all, without building a
-            # mask of zeros, adding it to every score and planning which positions to skip (about 0.1 ms of a
-            # sentence's 1 ms encoder on the CPU). Only on the CPU, where asking costs no synchronisation.
-            attention_mask = None
-
         if padding is None:
             padding = PaddingPlan.build(self.config, source_mask=attention_mask)
         embedded, hidden_states = self.embeddings(input_ids, inputs_embeds)
@@ -473,8 +457,6 @@ class Encoder(nn.Module):
 class Decoder(nn.Module):
     """N identical layers over the embedded, right-shifted target, attending to the encoder output
     (Section 3.1); causal self-attention; no LayerNorm after the last layer."""
-
-    main_input_name = "input_ids"
 
     def __init__(self, config: VaswaniConfig, embed_tokens: nn.Embedding):
         super().__init__()
@@ -703,14 +685,6 @@ class VaswaniModel(VaswaniPreTrainedModel):
         return output if return_dict else output.to_tuple()
 
 
-def shift_tokens_right(labels: torch.Tensor, pad_token_id: int, decoder_start_token_id: int) -> torch.Tensor:
-    """Decoder input = the target "offset by one position" (Section 3.1): start token, then labels[:-1]; -100 -> pad."""
-    shifted = labels.new_full(labels.shape, pad_token_id)
-    shifted[:, 1:] = labels[:, :-1]
-    shifted[:, 0] = decoder_start_token_id
-    return shifted.masked_fill(shifted == -100, pad_token_id)
-
-
 class VaswaniForConditionalGeneration(VaswaniPreTrainedModel, VaswaniGenerationMixin):
     """The Transformer with its pre-softmax linear projection, which shares its weight with both
     embeddings (Section 3.4), a cross-entropy loss over `labels` (-100 ignored; the Trainer adds the
@@ -854,6 +828,7 @@ class VaswaniForConditionalGeneration(VaswaniPreTrainedModel, VaswaniGenerationM
         return logits + self.final_logits_bias if self.config.final_logits_bias else logits
 
     def prepare_decoder_input_ids_from_labels(self, labels: torch.Tensor) -> torch.Tensor:
+        """The target "offset by one position" (Section 3.1): the start token, then labels[:-1] (-100 as pad)."""
         return shift_tokens_right(labels, self.config.pad_token_id, self.config.decoder_start_token_id)
 
 

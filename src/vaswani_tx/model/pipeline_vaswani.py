@@ -24,8 +24,6 @@ This file is copied next to saved weights: it imports only transformers and the 
 from __future__ import annotations
 
 import logging
-import sys
-from collections.abc import Sequence
 
 from transformers import Pipeline
 
@@ -35,8 +33,7 @@ from .vocabulary import check_tokenizer_fits_model, drop_format_characters
 logger = logging.getLogger(__name__)
 
 TASK = "translation"
-# A list's batches, as `vaswani-tx translate` plans them: at most this many padded source tokens (`max_tokens`)
-MAX_TOKENS = 4096
+BATCH_SIZE = 32  # sentences in a batch of a list, where neither the pipeline nor the call gives `batch_size`
 CUSTOM_PIPELINES = {
     TASK: {
         "impl": "pipeline_vaswani.VaswaniTranslationPipeline",
@@ -50,11 +47,9 @@ class VaswaniTranslationPipeline(Pipeline):
     """Translate a string or a list of strings with `model.generate` (the model's decoding defaults, Section 6.1).
 
     Generation keyword arguments (`num_beams`, `length_penalty`, `max_new_tokens`, `length_penalty_type`,
-    `max_output_length_offset`, ...) pass through to `generate`, at construction or per call. Returns one
-    `{"translation_text": ...}` per input, in input order. A list is translated as `vaswani-tx translate` and
-    CTranslate2's `translate_batch` do: sorted by length and cut into batches (padded on the right) of at most
-    `max_tokens` padded source tokens (4,096 where no `batch_size` is given) and at most `batch_size` sentences, so
-    that little of each batch is padding (`plan_batches`).
+    `max_output_length_offset`, ...) pass through to `generate`, at construction or per call. A string gives
+    `[{"translation_text": ...}]`; a list one `{"translation_text": ...}` per string, in input order, translated
+    longest first in batches of `batch_size` sentences (32 where none is given).
     """
 
     _load_tokenizer = True
@@ -76,45 +71,20 @@ class VaswaniTranslationPipeline(Pipeline):
             postprocess_params["clean_up_tokenization_spaces"] = clean_up_tokenization_spaces
         return preprocess_params, generate_kwargs, postprocess_params
 
-    def __call__(self, inputs, max_tokens: int | None = None, **kwargs):
+    def __call__(self, inputs, **kwargs):
         if isinstance(inputs, str):
             return super().__call__(inputs, **kwargs)
         if not isinstance(inputs, (list, tuple)) or not all(isinstance(text, str) for text in inputs):
             raise TypeError("The translation pipeline takes a string or a list of strings.")
-        texts = list(inputs)
-        if not texts:
-            return []
-        batch_size = kwargs.pop("batch_size", None)
-        kwargs.pop("num_workers", None)  # (no DataLoader: the list is tokenized at once)
-        if batch_size is None:
-            batch_size = self._batch_size
-        if max_tokens is None and batch_size is None:
-            max_tokens = MAX_TOKENS
-        # the call's parameters over those given at construction, as transformers' `Pipeline.__call__` merges them
-        kept = (self._preprocess_params, self._forward_params, self._postprocess_params)
-        preprocess_params, forward_params, postprocess_params = (
-            {**before, **given} for before, given in zip(kept, self._sanitize_parameters(**kwargs))
-        )
-        # The whole list tokenized in one call, each batch padded from its ids and decoded at once, as `translate`
-        # does: transformers' list path tokenizes, collates and post-processes a sentence at a time, about 0.1 ms a
-        # sentence (Multi30k val in batches, greedy, one thread: 3.71 against 3.62 s a pass, docs/speed.md).
-        encoded = self.tokenizer(
-            [drop_format_characters(text) for text in texts], truncation=preprocess_params.get("truncation", False)
-        )["input_ids"]
-        for text, ids in zip(texts, encoded):
-            self._warn_if_long(text, len(ids))
-        results = [None] * len(texts)
-        # In input order a batch is as long as its longest sentence (Multi30k val, 32 sentences a batch: 1.05-1.1x
-        # faster sorted; batches of 4,096 tokens rather than 32 sentences another 1.1-1.3x, docs/speed.md)
-        for batch in plan_batches(
-            [len(ids) for ids in encoded], sys.maxsize if max_tokens is None else max_tokens, batch_size
-        ):
-            model_inputs = self.tokenizer.pad(
-                {"input_ids": [encoded[index] for index in batch]}, padding_side="right", return_tensors="pt"
-            )
-            translated = self.postprocess(self.forward(model_inputs, **forward_params), **postprocess_params)
-            for index, result in zip(batch, translated):
-                results[index] = result
+        if kwargs.get("batch_size") is None and self._batch_size is None:
+            kwargs["batch_size"] = BATCH_SIZE
+        if kwargs["batch_size"] is not None and kwargs["batch_size"] < 1:
+            raise UserInputError(f"batch_size must be at least 1, got {kwargs['batch_size']}")
+        # longest first: a batch of sentences of about one length pads little (Multi30k val: 1.05-1.1x faster)
+        order = sorted(range(len(inputs)), key=lambda index: -len(inputs[index]))
+        results = [None] * len(inputs)
+        for index, result in zip(order, super().__call__([inputs[i] for i in order], **kwargs) if inputs else []):
+            results[index] = result[0]  # each input's list of one translation
         return results
 
     def preprocess(self, text: str, truncation: bool = False):
@@ -149,31 +119,4 @@ class VaswaniTranslationPipeline(Pipeline):
         ]
 
 
-def plan_batches(lengths: Sequence[int], max_tokens: int, max_sentences: int | None = None) -> list[list[int]]:
-    """Group indices into batches of at most ``max_tokens`` padded source tokens, longest first.
-
-    Sorting by length keeps padding small; the longest batch comes first so that running out of
-    memory shows at once rather than after an hour. A sentence longer than the budget gets a batch of
-    its own (decoding never drops a line, unlike training's sampler). Ties keep input order.
-    """
-    if max_tokens < 1:
-        raise UserInputError(f"max_tokens must be at least 1, got {max_tokens}")
-    if max_sentences is not None and max_sentences < 1:
-        raise UserInputError(f"max_sentences (batch size) must be at least 1, got {max_sentences}")
-    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
-    batches: list[list[int]] = []
-    current: list[int] = []
-    for index in order:
-        # lengths only fall along the order, so the batch's first sentence is its longest
-        longest = lengths[current[0]] if current else lengths[index]
-        full = max_sentences is not None and len(current) >= max_sentences
-        if current and (full or longest * (len(current) + 1) > max_tokens):
-            batches.append(current)
-            current = []
-        current.append(index)
-    if current:
-        batches.append(current)
-    return batches
-
-
-__all__ = ["CUSTOM_PIPELINES", "MAX_TOKENS", "TASK", "VaswaniTranslationPipeline", "plan_batches"]
+__all__ = ["BATCH_SIZE", "CUSTOM_PIPELINES", "TASK", "VaswaniTranslationPipeline"]
