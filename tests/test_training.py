@@ -247,7 +247,24 @@ def test_freed_memory_goes_back_every_few_steps_and_after_each_evaluation(tmp_pa
     trainer = VaswaniTrainer(
         model=VaswaniForConditionalGeneration(_tiny_config(vocab_size=40)), args=args, max_tokens=64
     )
-    assert any(isinstance(c, ReturnFreedMemory) for c in trainer.callback_handler.callbacks)
+    # glibc's settings are the process's: the library's trainer leaves them alone, the command tunes them
+    assert not any(isinstance(c, ReturnFreedMemory) for c in trainer.callback_handler.callbacks)
+
+
+def test_the_train_command_tunes_its_own_process_allocator(tmp_path, monkeypatch):
+    """`vaswani-tx train` owns its process, so it hands `ReturnFreedMemory` to the run (the library never adds it)."""
+    from types import SimpleNamespace
+
+    from vaswani_tx.cli import main
+    from vaswani_tx.training import recipe, run_config
+    from vaswani_tx.training.training import ReturnFreedMemory
+
+    given = {}
+    arguments = SimpleNamespace(process_index=0, output_dir=str(tmp_path))
+    monkeypatch.setattr(run_config, "load_run_config", lambda *args, **kwargs: (SimpleNamespace(), arguments))
+    monkeypatch.setattr(recipe, "train", lambda recipe, arguments, **kwargs: given.update(kwargs) or {})
+    assert main(["train", str(tmp_path / "run.yaml")]) == 0
+    assert [type(c) for c in given["callbacks"]] == [ReturnFreedMemory]
 
 
 class _PadOnly:

@@ -124,6 +124,7 @@ def run(args: argparse.Namespace) -> int:
     from vaswani_tx.parsing.parse_run import run_recipe
     from vaswani_tx.parsing.tree_decoding import parse
     from vaswani_tx.training.recipe import end_distributed
+    from vaswani_tx.training.training import ReturnFreedMemory
 
     for option in ("num_beams", "batch_size", "max_length"):
         value = getattr(args, option, None)
@@ -141,6 +142,7 @@ def run(args: argparse.Namespace) -> int:
                 args.overrides,
                 resume=args.resume,
                 force=args.force,
+                callbacks=[ReturnFreedMemory()],  # the command owns its process: glibc's settings are its own
                 num_beams=args.num_beams,
                 max_length=args.max_length,
                 constrained=not args.unconstrained,

@@ -57,6 +57,7 @@ def run(args: argparse.Namespace) -> int:
     from vaswani_tx.training.checkpoints import complete_checkpoints
     from vaswani_tx.training.recipe import end_distributed, train
     from vaswani_tx.training.run_config import load_run_config
+    from vaswani_tx.training.training import ReturnFreedMemory
 
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
     arguments = None
@@ -70,7 +71,9 @@ def run(args: argparse.Namespace) -> int:
                 print(describe_plan(run_plan(recipe, arguments)))
             return 0
         try:
-            metrics = train(recipe, arguments, resume=args.resume, force=args.force)
+            # the command owns its process, so it may tune glibc's allocator for it (a library would not)
+            callbacks = [ReturnFreedMemory()]
+            metrics = train(recipe, arguments, resume=args.resume, callbacks=callbacks, force=args.force)
         finally:
             end_distributed()
     except KeyboardInterrupt:

@@ -100,6 +100,7 @@ def run_recipe(
     max_length: int | None = None,
     constrained: bool = True,
     force: bool = False,
+    callbacks: Sequence[Any] = (),
 ) -> dict[str, Any]:
     """Section 6.3 end to end: linearise the splits, train, parse the test trees, score them.
 
@@ -112,7 +113,7 @@ def run_recipe(
     recall, F1 and exact match of all test sentences and F1 of those of at most 40 words (``f1_40``), or only
     of sentences up to ``max_length`` words. While training, each evaluation also logs the dev trees'
     bracketing F1 (greedy, :class:`~vaswani_tx.parsing.tree_decoding.DevBracketF1Callback`), drawn in ``curves.png``.
-    ``constrained`` decodes with :class:`~vaswani_tx.parsing.tree_decoding.TreeConstraint` (see
+    ``callbacks`` are added to the Trainer's (the command's `ReturnFreedMemory`). ``constrained`` decodes with :class:`~vaswani_tx.parsing.tree_decoding.TreeConstraint` (see
     :func:`~vaswani_tx.parsing.tree_decoding.parse`). The target trees' leaves are ``XX`` or, with ``tree_leaves: words``
     in the config's ``generation:`` block (saved with the model), the words themselves. With
     ``unknown_words: classes`` there, the training words that the vocabulary cannot keep whole, and every
@@ -158,7 +159,10 @@ def run_recipe(
                     trees = [replace_rare_words(tree, known) for tree in trees]
                 count = write_examples(trees, source, target, words=leaves == "words")
                 logger.info("%s: %d trees -> %s, %s", name, count, source, target)
-    callbacks = [DevBracketF1Callback(dev, constrained=constrained)] if arguments.eval_strategy != "no" else []
+    callbacks = [
+        *callbacks,
+        *([DevBracketF1Callback(dev, constrained=constrained)] if arguments.eval_strategy != "no" else []),
+    ]
     metrics = train(
         recipe, arguments, resume=resume, callbacks=callbacks, generation_fields=PARSER_GENERATION_FIELDS, force=force
     )

@@ -229,7 +229,8 @@ KEEP_TRIM_THRESHOLD = 2**31 - 1  # mallopt takes an int: no automatic trimming b
 
 
 class ReturnFreedMemory(TrainerCallback):
-    """glibc's allocator for a CPU training run (under glibc): every buffer from its heaps, none from a fresh
+    """For a command that owns its process, never added by the library (glibc's settings are process-wide):
+    glibc's allocator for a CPU training run (under glibc): every buffer from its heaps, none from a fresh
     mapping, while the run trains; and the memory the heaps hold free handed back to the system every `every`
     steps and after each evaluation (`malloc_trim`).
 
@@ -311,7 +312,8 @@ class VaswaniTrainer(TokenBudgetSeq2SeqTrainer):
       labelled positions only; another model's logits go through :class:`LabelSmoothedCrossEntropy`, the
       same loss, as does any ``compute_loss_func`` given.
     - No gradient clipping unless ``max_grad_norm`` > 0 (the paper has none; the configs set 0).
-    - On the CPU under glibc, :class:`ReturnFreedMemory` keeps the process from growing with the batches' shapes.
+    - It changes nothing outside itself: :class:`ReturnFreedMemory`, which tunes glibc's allocator for the whole
+      process, is added by the commands (`vaswani-tx train`, `vaswani-tx parse run`), which own their process.
     """
 
     def __init__(self, *args, **kwargs) -> None:
@@ -335,7 +337,6 @@ class VaswaniTrainer(TokenBudgetSeq2SeqTrainer):
         super().__init__(*args, **kwargs)
         # The Trainer builds its own LabelSmoother from label_smoothing_factor; ours replaces it.
         self.label_smoother = None
-        self.add_callback(ReturnFreedMemory())
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         if self.loss_in_model and "labels" in inputs:
