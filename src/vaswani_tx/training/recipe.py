@@ -33,6 +33,7 @@ from transformers import (
 
 from vaswani_tx.atomic import atomic_file, atomic_folder
 from vaswani_tx.data import data
+from vaswani_tx.data.multi30k import provide_multi30k
 from vaswani_tx.data.tokenization import (
     check_tokenizer_fits_model,
     load_tokenizer,
@@ -213,12 +214,20 @@ def train(
     stays as it is (with the scores written beside it); one of other checkpoints is replaced whole. The metrics
     give its path as ``averaged`` and the checkpoints as ``averaged_from``.
 
+    With ``multi30k``, the data are provided first: the local copy, or the Hub's downloaded into the clone
+    (:func:`~vaswani_tx.data.multi30k.provide_multi30k`).
+
     A new run (nothing to resume) in an ``output_dir`` holding another run's results is refused unless
     ``force`` (`refuse_earlier_run`); with ``force`` they are replaced once this run has finished.
 
     The main process holds ``output_dir``'s :class:`~vaswani_tx.folders.RunLock` throughout: a second run on
     the same folder is refused (:class:`~vaswani_tx.folders.RunLockError`, naming the holder's PID).
     """
+    if recipe.multi30k:
+        # the local copy, or the Hub's written into the clone once (by the main process; the others wait): a
+        # machine with neither stops here, before the tokenizer or any training
+        with arguments.main_process_first(desc="Multi30k"):
+            provide_multi30k()
     check_paths(recipe)
     check_writable(arguments.output_dir)  # a read-only output_dir is found before any data is read
     if arguments.process_index != 0:

@@ -36,11 +36,12 @@ class RecipeConfig:
 
     model_config: str  # configs/model/*.json or a model folder
     tokenizer: str  # a tokenizer folder; trained from the training text first when missing
-    dev_source: str
-    dev_target: str
+    dev_source: str | None = None  # required, except with multi30k (its val files by default)
+    dev_target: str | None = None
     train_source: str | None = None  # line-aligned training files ...
     train_target: str | None = None
     wmt14: str | None = None  # ... or "en-de" / "en-fr": WMT14 from the Hugging Face Hub ...
+    multi30k: str | None = None  # ... or "en-de" / "de-en": Multi30k, a local copy or the Hub's (data.multi30k) ...
     train_dataset: str | None = None  # ... or a `vaswani-tx prepare-data` output folder (encoded with `tokenizer`)
     source_lang: str = "en"
     target_lang: str = "de"
@@ -200,15 +201,18 @@ def load_run_config(
             )
     _check_numbers(values, path)
     recipe_values = {k: v for k, v in values.items() if k in RECIPE_FIELDS}
-    for required in ("model_config", "tokenizer", "dev_source", "dev_target"):
-        if recipe_values.get(required) is None:
-            raise ConfigError(f"run config {path} needs {required!r}")
+    required = ("model_config", "tokenizer") + (() if recipe_values.get("multi30k") else ("dev_source", "dev_target"))
+    for key in required:
+        if recipe_values.get(key) is None:
+            raise ConfigError(f"run config {path} needs {key!r}")
     recipe = RecipeConfig(**recipe_values)
-    given = [bool(recipe.train_source), bool(recipe.wmt14), bool(recipe.train_dataset)]
+    given = [bool(recipe.train_source), bool(recipe.wmt14), bool(recipe.train_dataset), bool(recipe.multi30k)]
     if sum(given) != 1 or bool(recipe.train_source) != bool(recipe.train_target):
         raise ConfigError(
-            f"run config {path}: give train_source with train_target, wmt14, or train_dataset (one of the three)"
+            f"run config {path}: give train_source with train_target, wmt14, multi30k, or train_dataset (one of them)"
         )
+    if recipe.multi30k:
+        _multi30k_paths(recipe, path)
     if recipe.attn_implementation not in ATTENTION_CHOICES:
         raise ConfigError(
             f"run config {path}: attn_implementation must be one of {', '.join(ATTENTION_CHOICES)}, "
@@ -257,6 +261,27 @@ def load_run_config(
     for key, value in withheld.items():
         setattr(arguments, key, value)
     return recipe, arguments
+
+
+def _multi30k_paths(recipe: RecipeConfig, path: Path) -> None:
+    """Point the training files (and the dev files, when not given) at Multi30k's folder: the local copy, or where
+    `train` downloads it (`vaswani_tx.data.multi30k`; nothing is downloaded here, so a dry run stays offline)."""
+    from vaswani_tx.data.multi30k import multi30k_folder
+
+    source, _, target = recipe.multi30k.partition("-")
+    if {source, target} != {"en", "de"}:
+        raise ConfigError(f"run config {path}: multi30k must be en-de or de-en, got {recipe.multi30k!r}")
+    if (recipe.source_lang, recipe.target_lang) != (source, target):
+        raise ConfigError(
+            f"run config {path}: multi30k: {recipe.multi30k} but source_lang {recipe.source_lang!r} and "
+            f"target_lang {recipe.target_lang!r}"
+        )
+    folder = multi30k_folder()
+    recipe.train_source, recipe.train_target = (str(folder / f"train.{lang}") for lang in (source, target))
+    if recipe.dev_source is None and recipe.dev_target is None:
+        recipe.dev_source, recipe.dev_target = (str(folder / f"val.{lang}") for lang in (source, target))
+    elif recipe.dev_source is None or recipe.dev_target is None:
+        raise ConfigError(f"run config {path}: give dev_source with dev_target, or neither (multi30k's val)")
 
 
 def missing_paths(recipe: RecipeConfig) -> dict[str, str]:
