@@ -187,7 +187,7 @@ class Translator:
         with torch.inference_mode():
             for batch in batches:
                 if len(batch) == 1 and "attention_mask" in self.tokenizer.model_input_names:
-                    # nothing to pad (a sentence a call: the tokenizer's pad costs 0.1-0.2 ms), the same tensors
+                    # nothing to pad (a single sentence: the tokenizer's pad costs 0.1-0.2 ms), the same tensors
                     ids = torch.tensor([encoded[batch[0]]])
                     padded = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
                 else:
