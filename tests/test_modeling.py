@@ -658,6 +658,38 @@ def test_source_cap_holds_without_warning_when_the_generation_config_carries_a_m
     assert [r.getMessage() for r in records if "max_length" in r.getMessage()] == []
 
 
+@pytest.mark.parametrize("use_engine", [True, False])
+@pytest.mark.parametrize("limit", [{}, {"max_new_tokens": 10**6}, {"max_length": 10**6}])
+def test_no_output_runs_past_the_positions_the_model_was_made_for(use_engine, limit):
+    """Nothing runs unbounded: the per-source cap (source + 50) and any explicit limit stop at
+    max_position_embeddings, in the engine and in transformers' loops (issue 83: a 5,000-word line ran 300 s)."""
+    model = never_ending(tiny_model(max_position_embeddings=16))
+    ids, mask = batch(lengths=(7, 3, 5))
+    for beams in (1, 3):
+        out = model.generate(input_ids=ids, attention_mask=mask, num_beams=beams, use_engine=use_engine, **limit)
+        assert out.shape[1] == 16
+
+
+@pytest.mark.parametrize("use_engine", [True, False])
+def test_padded_input_ids_without_a_mask_are_masked_with_one_warning(use_engine, caplog):
+    """generate() on a padded batch without attention_mask masks pad_token_id (as the pipeline does), with one
+    warning, and gives the ids of the explicit mask; an unpadded batch needs no mask and gets no warning."""
+    model = tiny_model()
+    ids, mask = batch(lengths=(7, 3, 5))
+    for beams in (1, 3):
+        expected = model.generate(input_ids=ids, attention_mask=mask, num_beams=beams, use_engine=use_engine)
+        caplog.clear()
+        with caplog.at_level("WARNING"):
+            out = model.generate(input_ids=ids, num_beams=beams, use_engine=use_engine)
+        assert torch.equal(out, expected)
+        warned = [r.getMessage() for r in caplog.records if "attention_mask" in r.getMessage()]
+        assert len(warned) == 1 and "pad_token_id=0" in warned[0]
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        model.generate(input_ids=ids[:1], use_engine=use_engine)
+    assert not [r for r in caplog.records if "attention_mask" in r.getMessage()]
+
+
 def test_explicit_max_new_tokens_replaces_the_source_cap():
     model = never_ending(tiny_model())
     ids, mask = batch()
