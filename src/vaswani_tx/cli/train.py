@@ -12,7 +12,8 @@ read. A new run in an output_dir holding another run's results (averaged/, score
 checkpoint is refused unless --force, which replaces them once the new run has finished. The averaged model
 (average_last) is built beside output_dir/averaged and swapped in whole; one that already holds this exact
 average is kept with what was written beside it. Ctrl-C or SIGTERM says which checkpoint was saved last and
-the command that resumes from it.
+the command that resumes from it: each checkpoint is built beside its name and moved in once complete, so an
+interrupted save leaves none.
 
 examples:
   vaswani-tx train configs/train/multi30k-en-de.yaml --resume
@@ -79,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         if arguments is None or arguments.process_index != 0:
             return 130
-        # one being written at the Ctrl-C is incomplete; --resume skips it too
+        # a save the Ctrl-C stopped left no checkpoint-<step>; a damaged one --resume would skip is not named
         complete = (
             complete_checkpoints(arguments.output_dir, warn=lambda line: None, for_resume=True)
             if os.path.isdir(arguments.output_dir)

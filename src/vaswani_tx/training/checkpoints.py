@@ -4,8 +4,11 @@
   refuse a truncated or corrupt model folder.
 - :func:`checkpoint_folders` lists a run's ``checkpoint-<step>`` folders, :func:`check_checkpoint`
   refuses an incomplete one, :func:`resume_checkpoint` picks the one to resume from.
-- :class:`SamplerStateCallback` saves the token-budget sampler's state in each checkpoint and
-  :func:`check_sampler_state` refuses a resume whose data order would differ from it;
+- :func:`staging_folder` and :func:`publish_checkpoint` build each checkpoint beside its name and move it in
+  whole (the trainer's save, ``vaswani_tx.training.training``), so that a ``checkpoint-<step>`` folder is always
+  complete; :func:`remove_interrupted_saves` clears what a killed save left.
+- :func:`check_sampler_state` refuses a resume whose data order would differ from the sampler state each
+  checkpoint holds;
   :class:`TimedCheckpointCallback` also saves every few minutes (the paper: every 10 minutes, Section 6.1).
 - :func:`average_checkpoints` averages the weights of the last checkpoints (Section 6.1: the last 5 for
   the base models, the last 20 for the big ones).
@@ -33,7 +36,7 @@ from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from transformers.utils import SAFE_WEIGHTS_NAME
 
-from vaswani_tx.atomic import atomic_folder, write_text
+from vaswani_tx.atomic import atomic_folder
 from vaswani_tx.data.tokenization import check_tokenizer_fits_model, load_tokenizer
 from vaswani_tx.folders import CheckpointError, check_safetensors, folder_kind
 from vaswani_tx.model.modeling_vaswani import VaswaniForConditionalGeneration
@@ -109,7 +112,8 @@ def resume_checkpoint(output_dir: str | os.PathLike, resume: bool) -> str | None
     if not existing:
         logger.info("no checkpoint in %s: starting a new run", output_dir)
         return None
-    # A run killed while writing a checkpoint leaves that one incomplete: fall back to the one before.
+    # Saves move checkpoints in whole (publish_checkpoint); one damaged since, or left half written by a version
+    # that wrote in place, is skipped for the one before.
     problems = []
     for folder in reversed(existing):
         try:
@@ -119,33 +123,48 @@ def resume_checkpoint(output_dir: str | os.PathLike, resume: bool) -> str | None
             problems.append(str(err))
             continue
         return str(folder)
-    raise CheckpointError(f"no usable checkpoint in {output_dir} to resume from: {'; '.join(problems)}")
+    raise CheckpointError(
+        f"no usable checkpoint in {output_dir} to resume from: {'; '.join(problems)}; nothing was changed: "
+        "move these folders out of output_dir to start a new run there"
+    )
+
+
+# ---- a checkpoint written whole ----
+
+_INTERRUPTED_SAVE = f".{PREFIX_CHECKPOINT_DIR}-*.partial"  # staging_folder's, and atomic_folder's beside a checkpoint
+
+
+def staging_folder(run_dir: str | os.PathLike, step: int) -> Path:
+    """Where the checkpoint of ``step`` is built before it takes its name: ``.checkpoint-<step>.partial`` in the
+    run folder (hidden, so that nothing takes it for a run's result; the same name in every process, which all
+    write their files there)."""
+    return Path(run_dir) / f".{PREFIX_CHECKPOINT_DIR}-{step}.partial"
+
+
+def remove_interrupted_saves(run_dir: str | os.PathLike) -> None:
+    """Remove what saves that were interrupted (a kill, a power cut) left in ``run_dir``, with a line for each:
+    never a checkpoint, since a checkpoint takes its name only once complete."""
+    for folder in sorted(Path(run_dir).glob(_INTERRUPTED_SAVE)):
+        shutil.rmtree(folder, ignore_errors=True)
+        logger.info("removed %s, left by a checkpoint save that was interrupted", folder)
+
+
+def publish_checkpoint(built: str | os.PathLike, final: str | os.PathLike) -> None:
+    """Move the complete checkpoint folder ``built`` to its name ``final``, its files on disk first (``atomic_folder``:
+    a power cut after the move finds them whole). A folder already at ``final`` is replaced whole: the same step
+    saved again by a run resumed from an earlier checkpoint, the later one having been unusable."""
+    built, final = Path(built), Path(final)
+    if final.exists():
+        logger.warning("replacing %s with the checkpoint of the same step this run has just written", final)
+    with atomic_folder(final) as temporary:
+        for entry in built.iterdir():
+            os.rename(entry, temporary / entry.name)
 
 
 # ---- the data order across a resume ----
 
 
 SAMPLER_STATE_NAME = "sampler_state.json"
-
-
-class SamplerStateCallback(TrainerCallback):
-    """Write the token-budget sampler's state into each checkpoint (``sampler_state.json``).
-
-    The Trainer resumes mid-epoch by replaying the epoch's batch order, which the sampler derives from
-    ``(seed, epoch)`` alone; this file lets a resume refuse data, seed or budget that differ from the
-    checkpoint's, which would otherwise replay a different order silently. ``trainer`` is the
-    :class:`~vaswani_tx.training.training.TokenBudgetSeq2SeqTrainer` being trained.
-    """
-
-    def __init__(self, trainer) -> None:
-        self.trainer = trainer
-
-    def on_save(self, args, state, control, **kwargs):
-        sampler = self.trainer.train_sampler_state()
-        folder = Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
-        if sampler is not None and args.process_index == 0 and folder.is_dir():
-            write_text(folder / SAMPLER_STATE_NAME, json.dumps(sampler, indent=1) + "\n")
-        return control
 
 
 def check_sampler_state(checkpoint: str | os.PathLike, run_state: Callable[[], Mapping[str, int]]) -> None:
@@ -441,8 +460,10 @@ __all__ = [
     "check_checkpoint",
     "resume_checkpoint",
     "SAMPLER_STATE_NAME",
-    "SamplerStateCallback",
     "check_sampler_state",
+    "staging_folder",
+    "publish_checkpoint",
+    "remove_interrupted_saves",
     "TimedCheckpointCallback",
     "average_checkpoints",
 ]

@@ -46,7 +46,6 @@ from vaswani_tx.metrics.evaluation import make_compute_metrics
 from vaswani_tx.model.errors import UserInputError
 from vaswani_tx.model.modeling_vaswani import VaswaniForConditionalGeneration
 from vaswani_tx.training.checkpoints import (
-    SamplerStateCallback,
     TimedCheckpointCallback,
     TrainingClock,
     average_last_checkpoints,
@@ -54,6 +53,7 @@ from vaswani_tx.training.checkpoints import (
     complete_checkpoints,
     refuse_earlier_run,
     remove_earlier_results,
+    remove_interrupted_saves,
     replaced_average,
     resume_checkpoint,
 )
@@ -235,6 +235,7 @@ def train(
     with RunLock(arguments.output_dir) as lock:
         if lock.took_over is not None:
             logger.warning("took over the lock of a run that is gone: %s", lock.took_over)
+        remove_interrupted_saves(arguments.output_dir)
         earlier = refuse_earlier_run(recipe, arguments, force)
         metrics = _train(recipe, arguments, resume, callbacks, generation_fields, force)
         if recipe.average_last > 1 and complete_checkpoints(arguments.output_dir):
@@ -294,7 +295,6 @@ def _train(
         max_tokens=recipe.max_tokens,
         eval_max_tokens=recipe.eval_max_tokens,
     )
-    trainer.add_callback(SamplerStateCallback(trainer))
     if checkpoint is not None and _reached_max_steps(checkpoint, arguments):
         # The Trainer would take one more step before checking max_steps; a finished run stays finished.
         logger.info("%s already reached max_steps=%d: nothing left to train", checkpoint, arguments.max_steps)

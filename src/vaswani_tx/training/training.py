@@ -21,17 +21,27 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import inspect
+import json
+import shutil
 from functools import partial
+from pathlib import Path
 
 import datasets
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 from torch.utils.data import DataLoader
 from transformers import Seq2SeqTrainer, TrainerCallback
-from transformers.trainer_utils import seed_worker
+from transformers.trainer import TRAINER_STATE_NAME
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints, seed_worker
 
 from vaswani_tx.data.data import TokenBudgetBatchSampler
 from vaswani_tx.model.errors import UserInputError
+from vaswani_tx.training.checkpoints import (
+    SAMPLER_STATE_NAME,
+    publish_checkpoint,
+    remove_interrupted_saves,
+    staging_folder,
+)
 
 
 class TokenBudgetSeq2SeqTrainer(Seq2SeqTrainer):
@@ -44,6 +54,8 @@ class TokenBudgetSeq2SeqTrainer(Seq2SeqTrainer):
     the sentence-count batches so that its outputs stay in dataset order. Works with any seq2seq model
     whose dataset has ``input_ids`` and ``labels`` columns.
 
+    Checkpoints are built beside their names and moved in whole, with the sampler's state (`_save_checkpoint`).
+
     Per-device budget: with ``P`` processes and ``G`` gradient-accumulation steps an optimizer step
     sees up to ``P * G * max_tokens`` tokens per side; the paper's 25,000 on 8 GPUs is about 3,125 each.
     """
@@ -55,6 +67,7 @@ class TokenBudgetSeq2SeqTrainer(Seq2SeqTrainer):
         self.max_tokens = max_tokens
         self.eval_max_tokens = eval_max_tokens
         self.train_sampler: TokenBudgetBatchSampler | None = None
+        self._staging: Path | None = None  # while a checkpoint is saved: where (see _save_checkpoint)
 
     def train_sampler_state(self) -> dict[str, int] | None:
         """The training sampler's ``state_dict()``, or ``None`` before training built it."""
@@ -97,6 +110,62 @@ class TokenBudgetSeq2SeqTrainer(Seq2SeqTrainer):
         if wrapper is not None and getattr(wrapper, "batch_sampler", None) is sampler:
             wrapper.num_processes, wrapper.process_index = 1, 0
         return dataloader
+
+    # ---- checkpoints written whole ----
+
+    def _save_checkpoint(self, model, trial) -> None:
+        """The Trainer's checkpoint, built beside its name and moved there whole once every file is written.
+
+        transformers 5.25 writes ``checkpoint-<step>`` in place, file by file, so a run stopped meanwhile leaves a
+        folder with a checkpoint's name and part of its files, and it has no public hook between writing the files
+        and naming the folder. (It staged checkpoints before and dropped it: a process renamed the folder while
+        others still wrote into it, transformers#27925, #36076.) This override and `_get_output_dir`, which points
+        the Trainer's own save at the staging folder while it runs, are the only private overrides here.
+
+        Every process writes its files into ``.checkpoint-<step>.partial`` (`staging_folder`, one name for all);
+        once all have, the process that saves (`should_save`) adds the sampler state, moves the folder to its name
+        (`publish_checkpoint`) and applies ``save_total_limit`` (the Trainer's rotation saw the staging folder
+        only). On any failure the staging folder goes.
+        """
+        run_dir = Path(super()._get_output_dir(trial))
+        name = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+        staging, saves = staging_folder(run_dir, self.state.global_step), self.args.should_save
+        if saves:
+            remove_interrupted_saves(run_dir)  # what a killed save left, this step's included
+        self.accelerator.wait_for_everyone()  # no process writes into a folder still being removed
+        self._staging = staging
+        try:
+            super()._save_checkpoint(model, trial)
+            self.accelerator.wait_for_everyone()  # every process's files (its RNG state) are in
+            if saves:
+                self._publish(staging / name, run_dir / name)
+        except BaseException:
+            if saves:
+                shutil.rmtree(staging, ignore_errors=True)
+            raise
+        finally:
+            self._staging = None
+
+    def _get_output_dir(self, trial) -> str:
+        return str(self._staging) if self._staging is not None else super()._get_output_dir(trial)
+
+    def _publish(self, built: Path, final: Path) -> None:
+        # the sampler state lets a resume refuse other data, seed or budget, which would replay another batch order
+        sampler = self.train_sampler_state()
+        if sampler is not None:
+            (built / SAMPLER_STATE_NAME).write_text(json.dumps(sampler, indent=1) + "\n", encoding="utf-8")
+        best = self.state.best_model_checkpoint
+        if best is not None and Path(best).parent == built.parent:  # the Trainer named the staged folder
+            self.state.best_model_checkpoint = str(final)
+            self.state.save_to_json(str(built / TRAINER_STATE_NAME))
+        publish_checkpoint(built, final)
+        shutil.rmtree(built.parent)
+        rotate_checkpoints(
+            output_dir=str(final.parent),
+            save_total_limit=self.args.save_total_limit,
+            best_model_checkpoint=self.state.best_model_checkpoint,
+            use_mtime=True,  # as the Trainer rotates
+        )
 
     def get_train_dataloader(self) -> DataLoader:
         if self.train_dataset is None:
