@@ -1,12 +1,15 @@
-"""Checkpoints written whole (issue 83): a save that is interrupted leaves no `checkpoint-N` folder, the command
-the log prints resumes, rotation keeps complete checkpoints, two processes build each checkpoint together.
+"""Checkpoints written whole (issue 83): a save that is interrupted or fails leaves no `checkpoint-N` folder, the
+command the log prints resumes, rotation keeps complete checkpoints, two processes build each checkpoint together;
+a write that fails names its file and cause (exit 2); a resume with another model config or tokenizer names the
+fields that differ, before any work.
 
-Runs are the CLI tests' tiny run (test_cli_errors), in-process; a real SIGTERM and two processes run the command
-in a subprocess.
+Runs are the CLI tests' tiny run (test_cli_errors), in-process; a real SIGTERM, two processes and a real file size
+limit run the command in a subprocess.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import signal
 import subprocess
@@ -17,15 +20,17 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 import test_cli_errors
 from test_cli_errors import run_config
-from test_reliability import ENV, REPO
+from test_reliability import ENV, REPO, fail_part_way, full_disk
 from test_training import _free_port as free_port
 from vaswani_tx.cli import main
 from vaswani_tx.training.checkpoints import check_checkpoint, checkpoint_folders
 
 ws = test_cli_errors.ws  # the CLI tests' workspace fixture: a tiny model, its tokenizer, 40 training pairs
+TORCH_WRITE_FAILURE = "[enforce fail at inline_container.cc:672] . unexpected pos 576 vs 534"  # torch 2.13, full disk
 
 
 def saving_config(ws: Path, tmp_path: Path, **values) -> str:
@@ -158,3 +163,113 @@ def test_two_processes_build_each_checkpoint_together_and_move_it_in_whole(ws, t
     for folder in checkpoint_folders(run):
         check_checkpoint(folder)
         assert sorted(path.name for path in folder.glob("rng_state*")) == ["rng_state_0.pth", "rng_state_1.pth"]
+
+
+# ---- item 7: a write that fails names its file and cause ----
+
+
+def test_a_real_file_size_limit_during_a_save_names_the_file_and_keeps_no_checkpoint(ws, tmp_path):
+    config, run = saving_config(ws, tmp_path), tmp_path / "out"
+    # model.safetensors fits, torch's optimizer.pt (twice its size) does not: torch's writer fails as on a full disk
+    limit = int((ws / "model" / "model.safetensors").stat().st_size * 1.3)
+    result = subprocess.run(
+        [sys.executable, "-m", "vaswani_tx.cli", "train", config],
+        env=ENV,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        preexec_fn=full_disk(limit),
+        timeout=300,
+    )
+    assert result.returncode == 2, result.stderr[-3000:]
+    line = result.stderr.strip().splitlines()[-1]
+    assert line == (
+        f"vaswani-tx train: error: {run / 'checkpoint-1' / 'optimizer.pt'}: File too large; checkpoint-1 was not "
+        "written (there is no complete one yet)"
+    ), result.stderr[-3000:]
+    assert names(run) == []
+
+
+def test_a_full_disk_at_the_second_save_names_the_file_and_the_last_complete_checkpoint(
+    ws, tmp_path, capsys, monkeypatch
+):
+    from transformers import TrainerState
+
+    config, run = saving_config(ws, tmp_path), tmp_path / "out"
+    calls = []
+    real = TrainerState.save_to_json
+
+    def save_to_json(self, path):
+        calls.append(path)
+        real(self, path)
+        if len(calls) == 2:  # checkpoint-2's, written in part: write() names no file
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(TrainerState, "save_to_json", save_to_json)
+    assert main(["train", config]) == 2
+    err = capsys.readouterr().err
+    assert err.strip().splitlines()[-1] == (
+        f"vaswani-tx train: error: {run / 'checkpoint-2' / 'trainer_state.json'}: No space left on device; "
+        "checkpoint-2 was not written (the last complete one is checkpoint-1)"
+    ), err[-2000:]
+    assert names(run) == ["checkpoint-1"]
+
+
+def test_torch_failing_to_write_the_final_model_is_exit_2_naming_the_file(ws, tmp_path, capsys, monkeypatch):
+    config, run = run_config(ws, tmp_path), tmp_path / "out"
+    fail_part_way(monkeypatch, torch, "save", RuntimeError(TORCH_WRITE_FAILURE))  # the final training_args.bin
+    assert main(["train", config]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    # a test write succeeds there: the cause is unknown (EIO), the file is named, and nothing of the model kept
+    assert err == (
+        f"vaswani-tx train: error: {run / 'training_args.bin'}: Input/output error; not written, the earlier one is "
+        "unchanged"
+    )
+    assert not (run / "model.safetensors").exists()
+
+
+# ---- item 7: a resume with another model ----
+
+
+def test_resume_with_another_model_config_names_the_fields_before_any_work(ws, tmp_path, capsys, monkeypatch):
+    import vaswani_tx.training.recipe
+
+    config, run = saving_config(ws, tmp_path, max_steps=1), tmp_path / "out"
+    assert main(["train", config]) == 0
+    values = yaml.safe_load(Path(config).read_text())
+    model = json.loads(Path(values["model_config"]).read_text())
+    bigger = tmp_path / "bigger.json"
+    bigger.write_text(json.dumps({**model, "d_model": 36, "d_k": 12, "d_v": 12}))
+    before = sorted(p.name for p in (run / "checkpoint-1").iterdir())
+
+    def no_work(*args, **kwargs):
+        pytest.fail("the data were read before the config was checked")
+
+    monkeypatch.setattr(vaswani_tx.training.recipe, "_prepare_data", no_work)
+    capsys.readouterr()
+    assert main(["train", config, f"model_config={bigger}", "max_steps=2", "--resume"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith(f"vaswani-tx train: error: cannot resume from {run / 'checkpoint-1'}: this run's model")
+    for field in ("d_model: 24 in checkpoint-1, 36 in this run", "d_k: 8 in checkpoint-1, 12 in this run"):
+        assert field in err, err
+    assert "num_heads" not in err and "vocab_size" not in err
+    assert sorted(p.name for p in (run / "checkpoint-1").iterdir()) == before and names(run) == ["checkpoint-1"]
+
+
+def test_resume_with_another_tokenizer_of_the_same_size_names_the_vocabulary(
+    ws, shared_data, tmp_path, capsys, monkeypatch
+):
+    import vaswani_tx.training.recipe
+    from vaswani_tx.data.tokenization import load_tokenizer, train_tokenizer
+
+    config = saving_config(ws, tmp_path, max_steps=1)
+    assert main(["train", config]) == 0
+    size = len(load_tokenizer(ws / "tok"))
+    other = train_tokenizer([shared_data / "multi30k-en-de" / "val.de"], vocab_size=size, show_progress=False)
+    assert len(other) == size
+    other.save_pretrained(tmp_path / "other-tok")
+    monkeypatch.setattr(vaswani_tx.training.recipe, "_prepare_data", lambda *a, **k: pytest.fail("data read"))
+    capsys.readouterr()
+    assert main(["train", config, f"tokenizer={tmp_path / 'other-tok'}", "max_steps=2", "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert "tokenizer_fingerprint: " in err and "in checkpoint-1" in err and "d_model" not in err, err

@@ -9,6 +9,8 @@
   where a file is wanted) before any decoding or training, by writing a probe file there.
 - :class:`RunLock` is the lock ``train`` holds on ``output_dir`` while it writes it: a second run on the
   same folder is refused, naming the process that holds it; a lock left by a killed run is taken over.
+- :func:`failed_write` and :func:`naming_failed_writes` name the file and the cause of a write that failed
+  (torch's writer says neither: "[enforce fail at inline_container.cc:672] ...").
 
 Its refusals are :class:`~vaswani_tx.model.errors.UserInputError` (a missing or unwritable location: the ``OSError``
 that names it). Standard library only: a command's checks never wait on torch or transformers.
@@ -16,12 +18,15 @@ that names it). Standard library only: a command's checks never wait on torch or
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
+import re
 import socket
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from vaswani_tx.model.errors import UserInputError
@@ -254,3 +259,74 @@ def check_safetensors(path: str | os.PathLike) -> None:
         raise CheckpointError(
             f"{path} is truncated or corrupt: its header describes {8 + header_length + end} bytes, the file has {size}"
         )
+
+
+# ---- what a failed write was ----
+
+_TORCH_WRITER = re.compile(r"inline_container|PytorchStreamWriter")  # torch.save's zip writer (caffe2 serialize)
+_RUST_OS_ERROR = re.compile(r"\(os error (\d+)\)")  # how Rust's io::Error (safetensors, tokenizers) gives an errno
+
+
+def _probe_write(folder: Path, size: int = 1 << 20) -> int | None:
+    """The errno with which writing ``size`` bytes in ``folder`` fails now, or None when it succeeds."""
+    probe = folder / f".write-probe.{os.getpid()}"
+    try:
+        with open(probe, "wb") as file:
+            file.write(bytes(size))
+            file.flush()
+            os.fsync(file.fileno())
+    except OSError as err:
+        return err.errno
+    finally:
+        probe.unlink(missing_ok=True)
+    return None
+
+
+def failed_write(error: BaseException, folder: str | os.PathLike) -> tuple[int, Path, str] | None:
+    """For ``error``, raised while files were written under ``folder``: ``(errno, file, cause)`` when it is a write
+    that failed (a full disk, a quota, a refused permission), else None (it goes on as it is).
+
+    ``torch.save`` reports a failed write as a RuntimeError without the file or the cause ("[enforce fail at
+    inline_container.cc:672] . unexpected pos 576 vs 534"), safetensors with an ``(os error N)`` and no file, and
+    ``write()`` with an errno and no file: the file is then the one written last under ``folder`` (the writers
+    create their file before they write it), and torch's cause the error with which a test write there fails now
+    (EIO with torch's message when that one succeeds, as under a file size limit above its size)."""
+    folder = Path(folder)
+    if isinstance(error, OSError):
+        if error.errno is None or error.strerror is None:
+            return None  # a message of ours
+        number, file = error.errno, error.filename
+        if file is not None and not Path(os.fsdecode(file)).resolve().is_relative_to(folder.resolve()):
+            return None  # a file read, not written here
+    elif isinstance(error, RuntimeError) and _TORCH_WRITER.search(str(error)):
+        number, file = _probe_write(folder), None
+        if number is None:
+            return (
+                errno.EIO,
+                _newest_file(folder),
+                f"the write failed (torch: {error}), though a test write there succeeds",
+            )
+    elif (found := _RUST_OS_ERROR.search(str(error))) is not None:
+        number, file = int(found[1]), None
+    else:
+        return None
+    return number, Path(os.fsdecode(file)) if file is not None else _newest_file(folder), os.strerror(number)
+
+
+def _newest_file(folder: Path) -> Path:
+    files = [path for path in folder.rglob("*") if path.is_file()]
+    return max(files, key=lambda path: path.stat().st_mtime_ns) if files else folder
+
+
+@contextlib.contextmanager
+def naming_failed_writes(folder: str | os.PathLike) -> Iterator[None]:
+    """Inside the block, a write under ``folder`` that fails is raised as the ``OSError`` that names its file and
+    cause (see :func:`failed_write`), so that ``atomic_folder`` and the CLI report it as such (exit 2)."""
+    try:
+        yield
+    except Exception as err:
+        found = failed_write(err, folder)
+        if found is None or (isinstance(err, OSError) and err.filename is not None):  # atomic_folder names those
+            raise
+        number, file, cause = found
+        raise OSError(number, cause, str(file)) from err

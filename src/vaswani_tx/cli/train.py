@@ -13,7 +13,8 @@ checkpoint is refused unless --force, which replaces them once the new run has f
 (average_last) is built beside output_dir/averaged and swapped in whole; one that already holds this exact
 average is kept with what was written beside it. Ctrl-C or SIGTERM says which checkpoint was saved last and
 the command that resumes from it: each checkpoint is built beside its name and moved in once complete, so an
-interrupted save leaves none.
+interrupted save leaves none. A write that fails (full disk, quota, permissions) names the file; --resume with
+a model config or tokenizer other than the checkpoints' is refused before any work, naming what differs.
 
 examples:
   vaswani-tx train configs/train/multi30k-en-de.yaml --resume

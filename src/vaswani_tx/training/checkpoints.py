@@ -7,8 +7,8 @@
 - :func:`staging_folder` and :func:`publish_checkpoint` build each checkpoint beside its name and move it in
   whole (the trainer's save, ``vaswani_tx.training.training``), so that a ``checkpoint-<step>`` folder is always
   complete; :func:`remove_interrupted_saves` clears what a killed save left.
-- :func:`check_sampler_state` refuses a resume whose data order would differ from the sampler state each
-  checkpoint holds;
+- :func:`check_resume_config` refuses a resume whose model config differs from the checkpoint's, and
+  :func:`check_sampler_state` one whose data order would differ from the sampler state each checkpoint holds;
   :class:`TimedCheckpointCallback` also saves every few minutes (the paper: every 10 minutes, Section 6.1).
 - :func:`average_checkpoints` averages the weights of the last checkpoints (Section 6.1: the last 5 for
   the base models, the last 20 for the big ones).
@@ -43,7 +43,7 @@ from vaswani_tx.model.modeling_vaswani import VaswaniForConditionalGeneration
 from vaswani_tx.training.run_config import ConfigError
 
 if TYPE_CHECKING:
-    from transformers import Seq2SeqTrainingArguments
+    from transformers import PretrainedConfig, Seq2SeqTrainingArguments
 
     from vaswani_tx.training.run_config import RecipeConfig
 
@@ -159,6 +159,44 @@ def publish_checkpoint(built: str | os.PathLike, final: str | os.PathLike) -> No
     with atomic_folder(final) as temporary:
         for entry in built.iterdir():
             os.rename(entry, temporary / entry.name)
+
+
+# ---- a resume with the run's own model ----
+
+# what config.json holds besides the model
+_NOT_THE_MODEL = frozenset(
+    ("transformers_version", "_name_or_path", "dtype", "torch_dtype", "architectures")  # saving's records
+    + ("auto_map", "custom_pipelines")  # the code files saved beside the weights
+    + ("use_cache",)  # the Trainer turns it off to train
+)
+
+
+def check_resume_config(checkpoint: str | os.PathLike, config: PretrainedConfig, source: str = "model_config") -> None:
+    """Refuse to resume from ``checkpoint`` with a model config other than the one it was trained with (the
+    Trainer would fail on the weights' shapes, or go on with another model than the one the checkpoints hold,
+    which averaging then refuses). ``config`` is the config the run builds (from ``source``); its
+    ``tokenizer_fingerprint`` is compared once it is set (the vocabulary).
+
+    Raises:
+        CheckpointError: each field that differs, with its value in the checkpoint and in this run.
+    """
+    saved = json.loads((Path(checkpoint) / "config.json").read_text(encoding="utf-8"))
+    ours = json.loads(config.to_json_string(use_diff=True))  # as save_pretrained writes it
+    differ = [
+        key
+        for key in sorted(saved.keys() | ours.keys())
+        if key not in _NOT_THE_MODEL
+        and saved.get(key) != ours.get(key)
+        and not (key == "tokenizer_fingerprint" and None in (saved.get(key), ours.get(key)))
+    ]
+    if differ:
+        name = Path(checkpoint).name
+        details = "; ".join(f"{key}: {saved.get(key)!r} in {name}, {ours.get(key)!r} in this run" for key in differ)
+        raise CheckpointError(
+            f"cannot resume from {checkpoint}: this run's model ({source}) differs from the one its checkpoints "
+            f"hold ({details}); nothing was changed: give the config (and tokenizer) the run was started with, or "
+            "another output_dir for a new run"
+        )
 
 
 # ---- the data order across a resume ----
@@ -461,6 +499,7 @@ __all__ = [
     "resume_checkpoint",
     "SAMPLER_STATE_NAME",
     "check_sampler_state",
+    "check_resume_config",
     "staging_folder",
     "publish_checkpoint",
     "remove_interrupted_saves",

@@ -41,7 +41,7 @@ from vaswani_tx.data.tokenization import (
     vocabulary_fingerprint,
 )
 from vaswani_tx.engine.precision import training_attention
-from vaswani_tx.folders import RunLock, check_writable
+from vaswani_tx.folders import RunLock, check_writable, naming_failed_writes
 from vaswani_tx.metrics.evaluation import make_compute_metrics
 from vaswani_tx.model.errors import UserInputError
 from vaswani_tx.model.modeling_vaswani import VaswaniForConditionalGeneration
@@ -49,6 +49,7 @@ from vaswani_tx.training.checkpoints import (
     TimedCheckpointCallback,
     TrainingClock,
     average_last_checkpoints,
+    check_resume_config,
     check_sampler_state,
     complete_checkpoints,
     refuse_earlier_run,
@@ -262,7 +263,11 @@ def _train(
     refuse_fsdp_sync_on_cpu(arguments)
     checkpoint = resume_checkpoint(arguments.output_dir, resume)
     config = load_model_config(recipe.model_config)
+    if checkpoint is not None:  # the model's sizes before any work; its vocabulary once the tokenizer is read
+        check_resume_config(checkpoint, config, recipe.model_config)
     tokenizer = _prepare_tokenizer(recipe, config, arguments)
+    if checkpoint is not None:
+        check_resume_config(checkpoint, config, f"{recipe.model_config} and tokenizer {recipe.tokenizer}")
     train_set, dev_set = _prepare_data(recipe, tokenizer, arguments)
 
     set_seed(arguments.seed)  # the initial weights; the Trainer reseeds for the data order and dropout
@@ -390,7 +395,7 @@ def _save_final(trainer: VaswaniTrainer) -> None:
     if not trainer.args.should_save:
         trainer.save_model()  # a process that writes nothing (it may take part in gathering the weights)
         return
-    with atomic_folder(trainer.args.output_dir, merge=True) as partial:
+    with atomic_folder(trainer.args.output_dir, merge=True) as partial, naming_failed_writes(partial):
         trainer.save_model(str(partial))
         if trainer.is_world_process_zero():
             history = trainer.state.log_history

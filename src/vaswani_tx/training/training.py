@@ -35,9 +35,11 @@ from transformers.trainer import TRAINER_STATE_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints, seed_worker
 
 from vaswani_tx.data.data import TokenBudgetBatchSampler
+from vaswani_tx.folders import failed_write
 from vaswani_tx.model.errors import UserInputError
 from vaswani_tx.training.checkpoints import (
     SAMPLER_STATE_NAME,
+    complete_checkpoints,
     publish_checkpoint,
     remove_interrupted_saves,
     staging_folder,
@@ -125,7 +127,8 @@ class TokenBudgetSeq2SeqTrainer(Seq2SeqTrainer):
         Every process writes its files into ``.checkpoint-<step>.partial`` (`staging_folder`, one name for all);
         once all have, the process that saves (`should_save`) adds the sampler state, moves the folder to its name
         (`publish_checkpoint`) and applies ``save_total_limit`` (the Trainer's rotation saw the staging folder
-        only). On any failure the staging folder goes.
+        only). On any failure the staging folder goes; a write that failed is raised as the ``OSError`` naming its
+        file and cause (`failed_write`).
         """
         run_dir = Path(super()._get_output_dir(trial))
         name = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
@@ -139,10 +142,17 @@ class TokenBudgetSeq2SeqTrainer(Seq2SeqTrainer):
             self.accelerator.wait_for_everyone()  # every process's files (its RNG state) are in
             if saves:
                 self._publish(staging / name, run_dir / name)
-        except BaseException:
+        except BaseException as err:
+            found = failed_write(err, staging) if isinstance(err, Exception) and staging.is_dir() else None
             if saves:
                 shutil.rmtree(staging, ignore_errors=True)
-            raise
+            if found is None:
+                raise
+            number, file, cause = found
+            shown = run_dir / name / file.relative_to(staging / name) if file.is_relative_to(staging / name) else file
+            complete = complete_checkpoints(run_dir, warn=lambda line: None, for_resume=True)
+            last = f"the last complete one is {complete[-1].name}" if complete else "there is no complete one yet"
+            raise OSError(number, f"{cause}; {name} was not written ({last})", str(shown)) from err
         finally:
             self._staging = None
 
