@@ -48,7 +48,9 @@ def test_complete_file_set_and_card(model_and_tokenizer, tmp_path):
         "| Multi30k val | sacreBLEU | 12.35 | `nrefs:1|case:mixed|eff:no|tok:13a|smooth:exp|version:2.6.0` |" in card
     )
     assert "Xavier-uniform" in card and "LayerNorm epsilon" in card and "$" not in card.split("```python")[0]
-    assert "beam size 4, length penalty alpha 0.6 (gnmt form)" in card
+    assert (
+        "beam 4, length penalty alpha 0.6 in the GNMT form ((5 + |Y|) / 6)^alpha; at most source length + 50" in card
+    )
 
 
 def test_card_lists_options_that_depart_from_the_paper(model_and_tokenizer):

@@ -105,6 +105,7 @@ def _test_set(args: argparse.Namespace) -> tuple[str, str, list[str], list[list[
 
 def run(args: argparse.Namespace) -> int:
     from vaswani_tx.atomic import atomic_file
+    from vaswani_tx.engine.settings import as_generate_reads
     from vaswani_tx.engine.translation import load_translator
     from vaswani_tx.folders import check_writable, refuse_to_replace
     from vaswani_tx.metrics.evaluation import score
@@ -136,7 +137,7 @@ def run(args: argparse.Namespace) -> int:
     seconds = time.perf_counter() - start
     results = score(hypotheses, references, target_lang, args.compound_splitting)
 
-    generation = translator.model.generation_config
+    generation = as_generate_reads(translator.model.generation_config)
     beams = options["num_beams"] or generation.num_beams
     greedy = beams == 1  # greedy search has no length penalty: none is recorded
     alpha = options["length_penalty"] if options["length_penalty"] is not None else generation.length_penalty

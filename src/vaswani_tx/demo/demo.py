@@ -25,6 +25,7 @@ transformers, matplotlib and Gradio, and those two relatively; `vaswani_tx.engin
 
 from __future__ import annotations
 
+import copy
 import math
 import os
 import re
@@ -131,7 +132,10 @@ class DemoPage:
 
     def __init__(self, model, tokenizer, translate: TranslateFn, title: str):
         self.model, self.tokenizer, self._translate, self.title = model, tokenizer, translate, title
-        self.config, self.generation = model.config, model.generation_config
+        # the fields a checkpoint leaves None (OPUS-MT sets no length_penalty) as generate() reads them: transformers'
+        # defaults (vaswani_tx.engine.settings.as_generate_reads, which the Space, without vaswani_tx, cannot import)
+        self.config, self.generation = model.config, copy.deepcopy(model.generation_config)
+        self.generation.update(**type(self.generation)._get_default_generation_params(), defaults_only=True)
         self.max_beams = max(MAX_BEAMS, self.generation.num_beams)
 
     def settings(self, num_beams, length_penalty) -> tuple[int, float]:

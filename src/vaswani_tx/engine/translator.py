@@ -29,6 +29,7 @@ from transformers.generation import logits_process
 from vaswani_tx.model.errors import UserInputError
 
 from .search import Processors, beam_search, greedy_search
+from .settings import as_generate_reads
 from .step import DecoderStep
 
 logger = logging.getLogger(__name__)
@@ -177,10 +178,13 @@ def serve(model, translator: Translator | None, inputs, generation_config, logit
     cap are in `generation_config`/`kwargs` and `logits_processor`), or None where transformers' loops must:
     greedy or beam search, no sampling, only the sequences returned, no decoder prefix, a model in eval mode.
     With `translator`, its step (int8, bfloat16); else a float32 or bfloat16 step over the model's own weights."""
-    config = copy.deepcopy(generation_config if generation_config is not None else model.generation_config)
+    # transformers' order: the config's fields, its defaults where those are None, then the call's arguments
+    config = as_generate_reads(generation_config if generation_config is not None else model.generation_config)
     config.update(**{name: value for name, value in kwargs.items() if name in CONFIG_FIELDS})
     check_search_arguments(config)
-    decoded = _search(model, translator, config, inputs, logits_processor, kwargs)
+    lengths = (kwargs.get("max_length"), getattr(generation_config, "max_length", None))
+    length_unset = all(length is None for length in (*lengths, model.generation_config.max_length))
+    decoded = _search(model, translator, config, length_unset, inputs, logits_processor, kwargs)
     if decoded is None and translator is not None and translator.compute_type != "float32":
         logger.warning(
             "generate(): these settings need transformers' loops, which decode the model in its own dtype, "
@@ -190,7 +194,9 @@ def serve(model, translator: Translator | None, inputs, generation_config, logit
     return decoded
 
 
-def _search(model, translator: Translator | None, config: GenerationConfig, inputs, logits_processor, kwargs: dict):
+def _search(
+    model, translator: Translator | None, config: GenerationConfig, length_unset: bool, inputs, logits_processor, kwargs
+):
     input_ids = kwargs.get("input_ids", inputs)
     stopping = kwargs.get("stopping_criteria")
     if (
@@ -213,7 +219,13 @@ def _search(model, translator: Translator | None, config: GenerationConfig, inpu
     eos = list(eos) if isinstance(eos, (list, tuple)) else [eos]
     pad = config.pad_token_id if config.pad_token_id is not None else eos[0]
     start = config.decoder_start_token_id if config.decoder_start_token_id is not None else config.bos_token_id
-    max_length = config.max_new_tokens + 1 if config.max_new_tokens is not None else config.max_length
+    positions = model.config.max_position_embeddings
+    if config.max_new_tokens is not None:
+        max_length = config.max_new_tokens + 1
+    elif length_unset:  # transformers: its default's 20 new tokens, within the positions
+        max_length = min(config.max_length + 1, positions)
+    else:
+        max_length = config.max_length
     processors = Processors(processors_for(config, eos, max_length, list(logits_processor or [])))
     attention_mask = kwargs.get("attention_mask")
     if attention_mask is not None and attention_mask.device.type == "cpu" and bool(attention_mask.all()):
@@ -222,12 +234,12 @@ def _search(model, translator: Translator | None, config: GenerationConfig, inpu
         attention_mask = None
     with torch.inference_mode():
         memory = model.get_encoder()(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
-        beams = config.num_beams or 1
+        beams = config.num_beams
         step = translator.step.start(memory, attention_mask, input_ids.shape[0] * beams)
         first = torch.full((input_ids.shape[0],), start, dtype=torch.long, device=input_ids.device)
         if beams == 1:
             return greedy_search(step, first, processors, max_length, eos, pad)
         fill = pad if config.pad_token_id else eos[0]  # transformers' beam search pads with </s> where pad is 0
-        penalty = config.length_penalty if config.length_penalty is not None else 1.0
-        stop_early = config.early_stopping if config.early_stopping is not None else False
-        return beam_search(step, first, processors, max_length, eos, fill, beams, penalty, stop_early)
+        return beam_search(
+            step, first, processors, max_length, eos, fill, beams, config.length_penalty, config.early_stopping
+        )

@@ -506,20 +506,13 @@ def _generation_config(model: VaswaniForConditionalGeneration, source: dict[str,
 
 
 def describe_decoding(folder: str | os.PathLike) -> str:
-    """How a converted folder decodes, in one line: beam size, alpha and the length penalty's form, the output cap."""
+    """How a converted folder decodes, in one line (`vaswani_tx.engine.settings.describe_generation`): beam size,
+    alpha and the length penalty's form, the output cap, each field the source left unset read as generate() reads it."""
     from transformers import GenerationConfig
 
-    generation = GenerationConfig.from_pretrained(folder)
-    gnmt = getattr(generation, "length_penalty_type", "hf") == "gnmt"
-    form = "GNMT form ((5 + |Y|) / 6)^alpha" if gnmt else "transformers' form |Y|^alpha, as MarianMT and FSMT decode"
-    offset = getattr(generation, "max_output_length_offset", None)
-    if offset is not None:
-        cap = f"at most source length + {offset} tokens"
-    elif getattr(generation, "max_len_b", None) is not None:
-        cap = f"at most {generation.max_len_a or 0:g} * source length + {generation.max_len_b} tokens (fairseq's)"
-    else:
-        cap = f"at most max_length={generation.max_length} tokens"
-    return f"decoding: beam {generation.num_beams}, length penalty alpha {generation.length_penalty:g} in the {form}; {cap}"
+    from vaswani_tx.engine.settings import describe_generation
+
+    return f"decoding: {describe_generation(GenerationConfig.from_pretrained(folder))}"
 
 
 def _detect(source: Path) -> tuple[str, Path]:

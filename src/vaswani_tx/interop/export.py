@@ -182,6 +182,7 @@ def export_ct2(
     import torch
 
     from vaswani_tx.data.tokenization import check_tokenizer_fits_model, load_tokenizer
+    from vaswani_tx.engine.settings import as_generate_reads
     from vaswani_tx.engine.translation import check_model_folder
     from vaswani_tx.model.modeling_vaswani import VaswaniForConditionalGeneration
 
@@ -208,7 +209,7 @@ def export_ct2(
         spec = build_ct2_spec(model, tokens, unk_token=tokenizer.unk_token or "<unk>")
         spec.validate()
         spec.optimize(quantization=quantization)
-    generation = model.generation_config
+    generation = as_generate_reads(model.generation_config)
     decoding = {
         "beam_size": generation.num_beams,
         "length_penalty": float(generation.length_penalty),
@@ -328,6 +329,7 @@ def export_marian(model: str | os.PathLike | VaswaniForConditionalGeneration, ou
     ``|Y|^alpha``, and a warning says so when the model decodes with the GNMT form or the offset."""
     from transformers import AutoTokenizer, GenerationConfig
 
+    from vaswani_tx.engine.settings import as_generate_reads
     from vaswani_tx.model.modeling_vaswani import VaswaniForConditionalGeneration
     from vaswani_tx.model.vocabulary import check_tokenizer_fits_model
 
@@ -345,7 +347,7 @@ def export_marian(model: str | os.PathLike | VaswaniForConditionalGeneration, ou
             )
         model = VaswaniForConditionalGeneration.from_pretrained(folder)
     marian = vaswani_to_marian(model.eval())
-    ours = model.generation_config
+    ours = as_generate_reads(model.generation_config)
     penalty_type = getattr(ours, "length_penalty_type", "hf")
     offset = getattr(ours, "max_output_length_offset", None)
     if penalty_type == "gnmt" or offset is not None:

@@ -19,6 +19,7 @@ from string import Template
 from typing import Any
 
 from vaswani_tx.atomic import atomic_folder
+from vaswani_tx.engine.settings import describe_generation
 from vaswani_tx.metrics.paper import DEPARTURES_FROM_THE_PAPER
 from vaswani_tx.model.configuration_vaswani import VaswaniConfig
 from vaswani_tx.model.errors import UserInputError
@@ -124,12 +125,7 @@ def render_model_card(
         results_text = "\n".join(rows)
     else:
         results_text = "Not measured for this model."
-    decoding = (
-        f"beam size {generation.num_beams}, length penalty alpha {generation.length_penalty} "
-        f"({getattr(generation, 'length_penalty_type', 'hf')} form), maximum output length = source length + "
-        f"{getattr(generation, 'max_output_length_offset', None)}"
-        + (", early stopping" if generation.early_stopping else "")
-    )
+    decoding = describe_generation(generation)
     return Template(TEMPLATE.read_text(encoding="utf-8")).substitute(
         title=repo.rsplit("/", 1)[-1],
         repo=repo,
