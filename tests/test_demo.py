@@ -165,8 +165,9 @@ def test_the_page_in_headless_chromium(url, translator, tmp_path):
         shown = browser_steps.translate_on_page(driver, url, SENTENCE)
         assert shown == translator.translate([SENTENCE])[0]
         browser_steps.open_attention(driver)
-        labels = " ".join(e.text for e in driver.find_elements(By.CSS_SELECTOR, "#attention label"))
+        labels = driver.find_element(By.CSS_SELECTOR, "#attention").text
         assert "encoder-decoder attention" in labels and "Layer" in labels and "Head" in labels
+        assert [e.text for e in driver.find_elements(By.CSS_SELECTOR, "#head label")] == ["1", "2", "3"]
         heatmap = driver.find_element(By.CSS_SELECTOR, "#heatmap img").get_attribute("src")
         driver.find_element(By.XPATH, "//label[contains(., 'encoder self-attention')]").click()  # another map
         wait(driver).until(lambda d: d.find_element(By.CSS_SELECTOR, "#heatmap img").get_attribute("src") != heatmap)
@@ -181,6 +182,76 @@ def test_the_page_in_headless_chromium(url, translator, tmp_path):
         )
     finally:
         driver.quit()
+
+
+@pytest.fixture(scope="module")
+def one_head_folder(tiny_translator, tmp_path_factory):
+    """A model of one head, one encoder layer and two decoder layers, with the 500-token vocabulary."""
+    import torch
+
+    from vaswani_tx import VaswaniConfig, VaswaniForConditionalGeneration
+
+    tokenizer = tiny_translator[2]
+    torch.manual_seed(0)
+    config = VaswaniConfig(
+        vocab_size=len(tokenizer), d_model=12, num_heads=1, d_ff=20, num_encoder_layers=1, num_decoder_layers=2
+    )
+    folder = tmp_path_factory.mktemp("one-head")
+    VaswaniForConditionalGeneration(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def test_one_layer_one_head_int8_in_headless_chromium(one_head_folder, tmp_path):
+    """The layer and head controls offer what the model has: one head, one encoder layer, two decoder layers (a
+    slider from 1 to 1 stopped the page from being built); the int8 page translates as `translate --int8`."""
+    if browser_steps.chromium() is None:
+        pytest.skip("Chromium or its driver is missing (apt-get install chromium chromium-driver)")
+    pytest.importorskip("gradio", reason="the demo needs Gradio: pip install -e '.[demo]'")
+    from selenium.common.exceptions import StaleElementReferenceException
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    def choices(driver, control: str) -> list[str]:
+        return [e.text for e in driver.find_elements(By.CSS_SELECTOR, f"#{control} label") if e.text]
+
+    expected = load_translator(one_head_folder, device="cpu", int8=True).translate([SENTENCE])[0]
+    page = serve(
+        build_demo(one_head_folder, device="cpu", int8=True), "127.0.0.1", browser_steps.free_port(), block=False
+    )
+    driver = browser_steps.open_browser()
+    try:
+        assert browser_steps.translate_on_page(driver, page.local_url, SENTENCE) == expected
+        browser_steps.open_attention(driver)
+        assert choices(driver, "head") == ["1"]
+        assert choices(driver, "layer") == ["1", "2"]  # encoder-decoder attention: the decoder's two layers
+        driver.find_element(By.XPATH, "//label[contains(., 'encoder self-attention')]").click()
+        wait = WebDriverWait(driver, 30, ignored_exceptions=(StaleElementReferenceException,))
+        wait.until(lambda d: choices(d, "layer") == ["1"])  # the encoder's one layer, shown as one choice
+        browser_steps.save_screenshot(driver, tmp_path / "one-head.png")
+    finally:
+        driver.quit()
+        page.close()
+
+
+def test_converted_model_without_decoding_settings_is_served(tmp_path):
+    """A converted Marian folder whose generation config sets no beam size or length penalty (OPUS-MT's case):
+    the page's controls show transformers' defaults, beam 1 and alpha 1.0."""
+    pytest.importorskip("gradio", reason="the demo needs Gradio: pip install -e '.[demo]'")
+    from test_convert import EN, _marian_folder
+    from test_generation_defaults import unset_decoding
+    from vaswani_tx.demo.demo import DemoPage, translator_function
+    from vaswani_tx.interop.convert import convert
+
+    _marian_folder(tmp_path / "marian", share=True, activation="relu")
+    unset_decoding(tmp_path / "marian")
+    convert(tmp_path / "marian", tmp_path / "converted")
+    translator = load_translator(tmp_path / "converted", device="cpu")
+    page = DemoPage(translator.model, translator.tokenizer, translator_function(translator), "converted")
+    page.blocks()
+    assert "beam 1, length penalty 1.0" in page.summary()
+    analysis = page.analyse(EN[0])
+    assert analysis.translation == translator.translate([EN[0]])[0] and analysis.settings.startswith("beam 1, ")
 
 
 def test_the_space_serves_the_page_without_vaswani_tx(folder, translator, tmp_path):

@@ -99,7 +99,7 @@ def heads_figure(heads, queries: list[str], keys: list[str], title: str, size: f
             ax.axis("off")
             continue
         draw_map(ax, heads[head], queries, keys, f"head {head + 1}", fontsize)
-    fig.suptitle(title)
+    fig.suptitle(title, wrap=True)  # one head's panel is narrower than the title
     fig.tight_layout()
     return fig
 

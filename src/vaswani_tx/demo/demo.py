@@ -210,14 +210,14 @@ class DemoPage:
             **weights,
         }
 
-    def draw(self, analysis: Analysis | None, kind: str, layer: float, head: float):
-        """The heatmap of one head, the overview of its layer and the status line (the layer slider fits the kind)."""
+    def draw(self, analysis: Analysis | None, kind: str, layer: int | None, head: int | None):
+        """The heatmap of one head, the overview of its layer and the status line (the layer choices fit the kind)."""
         gr = import_gradio()
         if analysis is None:
-            return gr.Slider(), None, None, ""
+            return gr.Radio(), None, None, ""
         maps = analysis.maps[kind]
         layers = len(maps["layers"])
-        layer, head = min(max(int(layer), 1), layers), min(max(int(head), 1), self.config.num_heads)
+        layer, head = min(max(int(layer or layers), 1), layers), min(max(int(head or 1), 1), self.config.num_heads)
         heads, queries, keys = maps["layers"][layer - 1], maps["queries"], maps["keys"]
         where = f"{maps['title']}, layer {layer}"
         status = (
@@ -226,7 +226,7 @@ class DemoPage:
         )
         status += "".join(f"\n\n**Warning:** {note}." for note in analysis.notes)
         return (
-            gr.Slider(maximum=layers, value=layer),
+            gr.Radio(numbered(layers), value=layer),
             head_figure(heads[head - 1], queries, keys, f"{where}, head {head}"),
             heads_figure(heads, queries, keys, f"{where}: all heads", *_overview_sizes(len(queries), len(keys))),
             status,
@@ -238,7 +238,7 @@ class DemoPage:
         return (
             'The Transformer of "Attention Is All You Need" (vaswani_tx): '
             f"{config.num_encoder_layers} + {config.num_decoder_layers} layers, d_model {config.d_model}, "
-            f"{config.num_heads} heads, a vocabulary of {config.vocab_size}, {parameters:.2f}M parameters. Decoding defaults "
+            f"{config.num_heads} head{'s' * (config.num_heads != 1)}, a vocabulary of {config.vocab_size}, {parameters:.2f}M parameters. Decoding defaults "
             f"(the model's generation config): beam {generation.num_beams}, length penalty {generation.length_penalty}."
         )
 
@@ -264,8 +264,10 @@ class DemoPage:
             with gr.Accordion("Attention of this translation", open=False, elem_id="attention"):
                 with gr.Row():
                     kind = gr.Radio([(title, name) for name, (_, title) in KINDS.items()], value="cross", label="Kind")
-                    layer = gr.Slider(1, config.num_decoder_layers, config.num_decoder_layers, step=1, label="Layer")
-                    head = gr.Slider(1, config.num_heads, 1, step=1, label="Head")
+                    # one button a layer and a head: a model of one layer or one head shows its one choice
+                    layers = config.num_decoder_layers
+                    layer = gr.Radio(numbered(layers), value=layers, label="Layer", elem_id="layer")
+                    head = gr.Radio(numbered(config.num_heads), value=1, label="Head", elem_id="head")
                 heatmap = gr.Plot(label="One head", elem_id="heatmap")
                 overview = gr.Plot(label="All heads of the layer", elem_id="overview")
             drawn = dict(
@@ -282,6 +284,11 @@ class DemoPage:
                 control.input(**drawn, api_visibility="private", concurrency_id="draw", trigger_mode="always_last")
             gr.api(self.attention, api_name="attention", concurrency_id="model")
         return page.queue(max_size=64, default_concurrency_limit=1)
+
+
+def numbered(count: int) -> list[tuple[str, int]]:
+    """The choices 1 to `count` of a layer or head control, as (label, value)."""
+    return [(str(number), number) for number in range(1, count + 1)]
 
 
 def head_figure(weights, queries: list[str], keys: list[str], title: str):
