@@ -17,14 +17,16 @@ PACKAGE = ROOT / "src" / "vaswani_tx"
 # transformers and each other, nothing else of ours (the engine's one bridge, inside generate(), aside).
 TRAVELLING = {path.stem for path in (PACKAGE / "model").glob("*.py") if path.name != "__init__.py"}
 # The layers, top to bottom: a module imports only from its own subpackage and from layers below its own, counting
-# imports inside functions. The shared helpers (atomic writes, folder checks, text reading) sit just above model/.
+# imports inside functions. The shared helpers (folder checks, text reading, and below them atomic writes, whose
+# rule of what is replaced the folder checks follow) sit just above model/.
 LAYERS = [
     {"cli"},
     {"demo", "parsing"},
     {"training", "interop"},
     {"engine"},
     {"data", "metrics"},
-    {"atomic", "folders", "text_io"},
+    {"folders", "text_io"},
+    {"atomic"},
     {"model"},
 ]
 BRIDGE = ("vaswani_tx.model.generation_vaswani", "vaswani_tx.engine")  # generate() -> the engine, where installed

@@ -12,6 +12,11 @@ processes writing one target never share a temporary file.
   moves the files in one by one instead, each whole, keeping the rest of the target (a run folder, a hub clone);
   ``keep_unchanged=True`` leaves the target as it is when it already holds these exact files (what was put
   beside them stays valid).
+- Only regular files are replaced. A target that is not one, followed through its links (a character device such
+  as ``/dev/null`` or a terminal, a FIFO, a socket), is written where it is (:func:`written_in_place`): replacing
+  it would put a regular file where the device or the pipe was. A link to a regular file keeps its place; the file
+  it points to is replaced. ``-``, ``/dev/stdout`` and ``/dev/stderr`` name Python's own streams (as gawk reads
+  them): what is written goes to ``sys.stdout`` or ``sys.stderr``, and a shell's ``>>`` keeps what it appends to.
 - :func:`sigterm_as_interrupt` turns SIGTERM into ``KeyboardInterrupt`` (Python's default SIGTERM kills the
   process without running a ``finally``), so the clean-up above runs for it as for Ctrl-C.
 
@@ -31,11 +36,13 @@ import re
 import secrets
 import shutil
 import signal
+import stat
 import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
 
+STREAMS = {"-": "stdout", "/dev/stdout": "stdout", "/dev/stderr": "stderr"}  # names of sys.stdout and sys.stderr
 _RUST_OS_ERROR = re.compile(r"\(os error (\d+)\)")  # how Rust's io::Error (safetensors, tokenizers) names an errno
 _WRITE_ERRORS = {errno.EFBIG, errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO}
 
@@ -167,12 +174,35 @@ def _holds_same_files(new: Path, target: Path) -> bool:
     return True
 
 
+def written_in_place(target: str | os.PathLike) -> bool:
+    """Whether `target` is written where it is rather than replaced: one of `STREAMS`, or an existing file that,
+    followed through its links, is neither a regular file nor a folder (a device, a FIFO, a socket)."""
+    if str(target) in STREAMS:
+        return True
+    try:
+        mode = os.stat(target).st_mode
+    except OSError:  # missing, or a link to nothing: a regular file will be made
+        return False
+    return not (stat.S_ISREG(mode) or stat.S_ISDIR(mode))
+
+
 @contextlib.contextmanager
 def atomic_file(target: str | os.PathLike) -> Iterator[Path]:
     """``with atomic_file(path) as temporary:`` write `temporary` (a path beside `path`, unique to this process);
     when the block ends without an exception it replaces `path` at once. On any exception (Ctrl-C and SIGTERM
-    under :func:`sigterm_as_interrupt` included) the temporary file is removed and `path` is as it was."""
-    target = Path(target)
+    under :func:`sigterm_as_interrupt` included) the temporary file is removed and `path` is as it was.
+
+    A `path` that is a link to a regular file stays a link: the file it points to is replaced. A `path` that is
+    not a regular file (:func:`written_in_place`) is yielded itself, to be written directly."""
+    if written_in_place(target):
+        try:
+            yield Path(target)
+        except OSError as err:  # a write to a device names no file (/dev/full: "No space left on device")
+            if err.filename is None and err.errno is not None and err.strerror is not None:
+                raise OSError(err.errno, err.strerror, str(target)) from err
+            raise
+        return
+    target = Path(os.path.realpath(target)) if os.path.islink(target) else Path(target)
     created = _make_parent(target)
     existed = target.exists()
     temporary = _temporary_name(target, ".partial")
@@ -194,14 +224,29 @@ def atomic_file(target: str | os.PathLike) -> Iterator[Path]:
 
 
 def write_bytes(target: str | os.PathLike, data: bytes) -> Path:
-    """Write `data` to `target` whole or not at all (see :func:`atomic_file`); returns `target` as a Path."""
+    """Write `data` to `target` whole or not at all (see :func:`atomic_file`), or to the stream `target` names
+    (`STREAMS`: ``-`` is standard output); returns `target` as a Path."""
+    stream = STREAMS.get(str(target))
+    if stream is not None:
+        stream = getattr(sys, stream)
+        stream.flush()  # what was printed before comes first
+        stream.buffer.write(data)
+        stream.buffer.flush()
+        return Path(target)
     with atomic_file(target) as temporary:
         temporary.write_bytes(data)
     return Path(target)
 
 
 def write_text(target: str | os.PathLike, text: str, encoding: str = "utf-8") -> Path:
-    """Write `text` to `target` whole or not at all (see :func:`atomic_file`); returns `target` as a Path."""
+    """Write `text` to `target` whole or not at all (see :func:`atomic_file`), or to the stream `target` names
+    (`STREAMS`, in the stream's own encoding, as print() does); returns `target` as a Path."""
+    stream = STREAMS.get(str(target))
+    if stream is not None:
+        stream = getattr(sys, stream)
+        stream.write(text)
+        stream.flush()
+        return Path(target)
     return write_bytes(target, text.encode(encoding))
 
 
@@ -217,6 +262,8 @@ def atomic_folder(target: str | os.PathLike, merge: bool = False, keep_unchanged
     filled rather than replaced (it may be the current folder or a mount point). When `folder` is filled (merged
     into, or empty), `temporary` is a hidden folder inside it, so only `folder` itself need be writable."""
     target = Path(target)
+    if written_in_place(target):  # renamed aside and removed by a swap: never
+        raise NotADirectoryError(errno.ENOTDIR, "not a folder, and not replaced by one", str(target))
     created = _make_parent(target)
     existed = target.exists()
     # filled in place (an empty folder may be the current folder or a mount point): built inside it, beside the
@@ -230,8 +277,21 @@ def atomic_folder(target: str | os.PathLike, merge: bool = False, keep_unchanged
         if keep_unchanged and _holds_same_files(temporary, target):
             return
         if fill:
+            entries = sorted(temporary.iterdir())
+            # a device or FIFO of an entry's name is written, not replaced; before the renames, with signals live
+            # (a FIFO's open waits for its reader)
+            in_place = [entry for entry in entries if written_in_place(target / entry.name)]
+            for entry in in_place:
+                if entry.is_dir():
+                    raise NotADirectoryError(
+                        errno.ENOTDIR, "not a folder, and not replaced by one", str(target / entry.name)
+                    )
+                with open(entry, "rb") as source, open(target / entry.name, "wb") as destination:
+                    shutil.copyfileobj(source, destination)
             with _signals_deferred():
-                for entry in sorted(temporary.iterdir()):
+                for entry in entries:
+                    if entry in in_place:
+                        continue
                     if entry.is_dir():
                         _swap(entry, target / entry.name)
                     else:
@@ -291,4 +351,12 @@ def sigterm_as_interrupt(received: list[int] | None = None) -> Iterator[None]:
         sys.unraisablehook = previous_hook
 
 
-__all__ = ["atomic_file", "atomic_folder", "sigterm_as_interrupt", "write_bytes", "write_text"]
+__all__ = [
+    "STREAMS",
+    "atomic_file",
+    "atomic_folder",
+    "sigterm_as_interrupt",
+    "write_bytes",
+    "write_text",
+    "written_in_place",
+]

@@ -24,11 +24,13 @@ import json
 import os
 import re
 import socket
+import stat
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+from vaswani_tx.atomic import STREAMS, written_in_place
 from vaswani_tx.model.errors import UserInputError
 
 LOCK_NAME = ".vaswani-train.lock"
@@ -59,6 +61,14 @@ def folder_kind(path: str | os.PathLike) -> str | None:
     if (path / "dataset_info.json").is_file() or (path / "state.json").is_file():
         return "a dataset folder"
     return None
+
+
+def what_is(path: str | os.PathLike) -> str:
+    """What kind of file `path` is, through its links, in words: "a file", "a character device", "a FIFO", ..."""
+    mode = os.stat(path).st_mode
+    kinds = ((stat.S_ISDIR, "a folder"), (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
+    kinds += ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"))
+    return next((name for test, name in kinds if test(mode)), "a file")
 
 
 def require_vaswani_model(path: str | os.PathLike) -> None:
@@ -102,7 +112,7 @@ def refuse_to_overwrite(
     if not path.exists():
         return
     if not path.is_dir():
-        raise UserInputError(f"output folder {path} exists and is a file, not a folder")
+        raise UserInputError(f"output folder {path} exists and is {what_is(path)}, not a folder")
     if not any(path.iterdir()):
         return
     if force:
@@ -122,8 +132,9 @@ def refuse_to_overwrite(
 
 def refuse_to_replace(paths: Sequence[str | os.PathLike], force: bool, option: str = "--force") -> None:
     """Refuse output files that already exist (naming them), unless `force`; with `force` each is replaced only
-    once its new content is complete (`vaswani_tx.atomic`)."""
-    existing = [str(path) for path in paths if os.path.lexists(path)]
+    once its new content is complete (`vaswani_tx.atomic`). A device, a FIFO or a stream is written, never
+    replaced (`vaswani_tx.atomic.written_in_place`), and so never refused."""
+    existing = [str(path) for path in paths if os.path.lexists(path) and not written_in_place(path)]
     if existing and not force:
         some = "output file " + existing[0] if len(existing) == 1 else "output files " + ", ".join(existing)
         raise FileExistsError(
@@ -137,11 +148,15 @@ def check_writable(path: str | os.PathLike, kind: str = "dir") -> None:
     (created later if missing), "whole-dir" for a folder written whole (built beside it, then swapped in: its
     parent must be writable, or the folder itself when it is empty), "file" for a file (written beside it, then
     moved in). Writes and removes a probe file in the nearest existing folder."""
+    if kind == "file" and written_in_place(path):  # a device, FIFO or stream: written where it is
+        if str(path) not in STREAMS and not os.access(path, os.W_OK):
+            raise PermissionError(f"cannot write {path}: {what_is(path)} this user may not write")
+        return
     path = Path(path)
     if kind == "file" and path.is_dir():
         raise UserInputError(f"output file {path} is a folder; give a file name")
     if kind != "file" and path.exists() and not path.is_dir():
-        raise UserInputError(f"output folder {path} is a file, not a folder")
+        raise UserInputError(f"output folder {path} is {what_is(path)}, not a folder")
     if kind == "whole-dir" and path.is_dir() and not any(path.iterdir()):
         kind = "dir"  # an empty folder is filled in place
     probe_in = path if kind == "dir" else path.parent

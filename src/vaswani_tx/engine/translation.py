@@ -290,13 +290,9 @@ def translate(
 
 def write_lines(lines: Iterable[str], path: str | os.PathLike | None) -> None:
     """Write one line each to a file, whole or not at all (`vaswani_tx.atomic.write_text`: a failed or
-    interrupted run leaves what the file held before), or to standard output for ``None`` or ``"-"``."""
-    text = "".join(f"{line}\n" for line in lines)
-    if path is None or str(path) == "-":
-        sys.stdout.write(text)
-        sys.stdout.flush()
-        return
-    write_text(path, text)
+    interrupted run leaves what the file held before; a device or FIFO is written directly), or to standard
+    output for ``None``, ``"-"`` or ``/dev/stdout``."""
+    write_text("-" if path is None else path, "".join(f"{line}\n" for line in lines))
 
 
 __all__ = [
