@@ -80,10 +80,30 @@ def build_parser() -> argparse.ArgumentParser:
         module = importlib.import_module(f"vaswani_tx.cli.{module_name}")
         command_parser = sub.add_parser(name, help=help_text, description=module.__doc__)
         module.add_arguments(command_parser)
-        command_parser.set_defaults(
-            _run=module.run, _intermixed=getattr(module, "INTERMIXED", None), _parser=command_parser
-        )
+        command_parser.set_defaults(_run=module.run)
     return parser
+
+
+def parse_arguments(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> argparse.Namespace:
+    """`parser.parse_args(argv)`, with the options of the command (or of `parse`'s action) taken before, between
+    and after its positional arguments: `translate MODEL --int8 "A dog."`, `train CONFIG --resume k=v`.
+
+    `parse_intermixed_args` does that but cannot take sub-commands, so argparse first reads the whole line as it
+    always does (help, unknown commands and missing arguments are its own messages), then the innermost command's
+    parser reads its own words again, intermixed. The words before a sub-command's name are flags only (`--debug`),
+    so that name is the first word that is not an option."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args, _ = parser.parse_known_args(argv)
+    level, words = parser, argv
+    while True:
+        commands = next((a for a in level._actions if isinstance(a, argparse._SubParsersAction)), None)
+        if commands is None:
+            break
+        index = next(i for i, word in enumerate(words) if not word.startswith("-"))
+        level, words = commands.choices[words[index]], words[index + 1 :]
+    own = {action.dest for action in level._actions}
+    outer = argparse.Namespace(**{name: value for name, value in vars(args).items() if name not in own})
+    return level.parse_intermixed_args(words, outer)
 
 
 def describe_os_error(error: OSError) -> str:
@@ -133,15 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     missing or unreadable file, a full disk or a refused permission is the user's environment, not a bug, and
     the error names the file. Everything else (a ``ValueError`` from torch's shape checks included) is one line
     asking for a report, and ``--debug`` lets it out with its traceback."""
-    parser = build_parser()
-    args, extra = parser.parse_known_args(argv)
-    # argparse stops filling a nargs="*" positional at the first option: `train CONFIG --resume k=v`
-    # leaves k=v over. A command that names such a positional in INTERMIXED takes the leftovers there.
-    dest = args._intermixed
-    if extra and dest and not any(item.startswith("-") for item in extra):
-        setattr(args, dest, [*getattr(args, dest), *extra])
-    elif extra:  # as the command's own usage error: `vaswani-tx COMMAND: error: ...`, status 2
-        args._parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    args = parse_arguments(build_parser(), argv)
     from vaswani_tx.atomic import sigterm_as_interrupt
 
     stopped: list[int] = []  # SIGTERM raises KeyboardInterrupt, so clean-ups run as for Ctrl-C; exit 128 + 15

@@ -32,7 +32,6 @@ import argparse
 
 from vaswani_tx.cli import fail
 
-INTERMIXED = "overrides"  # key=value may also follow --resume (see vaswani_tx.cli.main)
 UNCONSTRAINED_HELP = (
     "plain beam search, as the paper, repaired into a tree afterwards (default: constrained decoding, every "
     "hypothesis a well-formed tree with one leaf per word)"

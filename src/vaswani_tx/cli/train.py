@@ -26,8 +26,6 @@ from __future__ import annotations
 
 import argparse
 
-INTERMIXED = "overrides"  # key=value may also follow --resume (see vaswani_tx.cli.main)
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
