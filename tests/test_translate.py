@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -164,19 +165,86 @@ def test_a_bom_and_zero_width_characters_do_not_change_the_translation(tiny_tran
     assert greedy(translator, ["\ufeff\u200b", CLEAN[0]]) == ["", expected[0]]
 
 
-def test_a_line_longer_than_the_models_positions_is_reported_with_its_number(tiny_translator, tmp_path, caplog):
+@pytest.fixture(scope="module")
+def short_folder(tiny_translator, tmp_path_factory):
+    """The tiny model made for 32 positions (max_position_embeddings=32), sinusoidal as the paper's."""
     _, model, tokenizer = tiny_translator
-    short = VaswaniForConditionalGeneration(VaswaniConfig(**{**model.config.to_dict(), "max_position_embeddings": 12}))
+    short = VaswaniForConditionalGeneration(VaswaniConfig(**{**model.config.to_dict(), "max_position_embeddings": 32}))
     short.load_state_dict(model.state_dict())
-    short.save_pretrained(tmp_path / "short")
-    tokenizer.save_pretrained(tmp_path / "short")
-    lines = ["Ein Hund.", " ".join(["Ein Hund läuft über die Wiese."] * 4), "Ein Mann."]
+    folder = tmp_path_factory.mktemp("short")
+    short.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def test_a_line_longer_than_the_models_positions_is_refused_naming_it_or_cut(short_folder, tmp_path, capsys, caplog):
+    long_line = " ".join(["Hund"] * 100)
+    source = tmp_path / "in.de"
+    source.write_text(f"Ein Hund.\n{long_line}\nEin Mann.\n", encoding="utf-8")
+    fast = ["--num-beams", "1", "--max-length-offset", "2", "--quiet", "--device", "cpu"]
+    for command in (
+        ["translate", str(short_folder), "-i", str(source), "-o", str(tmp_path / "out.en")],
+        ["evaluate", str(short_folder), "-s", str(source), "-r", str(source), "-o", str(tmp_path / "eval")],
+        [
+            "parse",
+            "predict",
+            str(short_folder),
+            "--sentences",
+            str(source),
+            "--unconstrained",
+            "-o",
+            str(tmp_path / "t"),
+        ],
+    ):
+        assert cli_main([*command, *fast[: 2 if command[0] == "parse" else None]]) == 2, command
+        error = capsys.readouterr().err
+        assert re.search(
+            r"error: line 2 is \d{3} tokens long, more than this model's 32 positions .*--truncate", error
+        )
+    assert not (tmp_path / "out.en").exists() and not (tmp_path / "t").exists()
     with caplog.at_level("WARNING", logger="vaswani_tx.engine.translation"):
-        outputs = greedy(load_translator(tmp_path / "short"), lines)
-    assert len(outputs) == 3 and all(outputs)  # translated all the same: sinusoids extend past the positions
-    warnings = [record.getMessage() for record in caplog.records if record.name == "vaswani_tx.engine.translation"]
-    assert len(warnings) == 1, warnings
-    assert warnings[0].startswith("line 2 is ") and "12 positions" in warnings[0] and "may stop early" in warnings[0]
+        assert cli_main(["translate", str(short_folder), "-i", str(source), *fast, "--truncate"]) == 0
+    assert len(capsys.readouterr().out.splitlines()) == 3
+    warnings = [r.getMessage() for r in caplog.records if r.name == "vaswani_tx.engine.translation"]
+    assert len(warnings) == 1 and re.match(r"line 2 is \d{3} tokens long, .* cut to its first 32 tokens", warnings[0])
+
+
+def test_attention_refuses_or_cuts_a_sentence_longer_than_the_positions(short_folder, tmp_path, capsys):
+    sentence = " ".join(["Hund"] * 100)
+    command = [
+        "attention",
+        str(short_folder),
+        "--sentence",
+        sentence,
+        "-o",
+        str(tmp_path / "maps"),
+        "--kinds",
+        "cross",
+    ]
+    assert cli_main(command) == 2
+    assert re.search(r"error: --sentence is \d{3} tokens long", capsys.readouterr().err)
+    assert not (tmp_path / "maps").exists()
+    assert cli_main([*command, "--truncate"]) == 0
+    assert "cut to its first 32 tokens (--truncate)" in capsys.readouterr().err
+    assert sorted(p.name for p in (tmp_path / "maps").iterdir()) == ["cross-layer1.png", "cross-layer2.png"]
+
+
+def test_no_output_runs_past_the_positions_whatever_its_limit(short_folder):
+    """A random model never says </s>: greedy and beam search stop at the 32 positions, not at a limit of 10^9
+    tokens (whose (batch, length) buffer alone would not fit in memory)."""
+    from vaswani_tx.engine import Translator
+
+    model = VaswaniForConditionalGeneration.from_pretrained(short_folder).eval()
+    engine = Translator(model)
+    source = [[52, 118, 9, 3]]
+    for beams in (1, 3):
+        [result] = engine.translate_batch(source, beam_size=beams, max_decoding_length=10**9)
+        assert 0 < len(result.hypotheses[0]) <= 32, beams
+        ids = torch.tensor(source)
+        output = model.generate(
+            input_ids=ids, attention_mask=torch.ones_like(ids), num_beams=beams, max_new_tokens=10**9
+        )
+        assert output.shape[1] <= 33, beams  # the start token and at most 32 more
 
 
 def test_beam_and_alpha_reach_generate(tiny_translator, translator, capsys):

@@ -31,13 +31,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--layers", nargs="+", type=int, help="1-based layer numbers to draw (default: all)")
     parser.add_argument("--force", action="store_true", help="replace PNG files of the same names in --output-dir")
+    parser.add_argument(
+        "--truncate",
+        action="store_true",
+        help="cut a sentence or translation longer than the model's positions to fit, with a warning (default: "
+        "refuse it)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
+    import sys
     from pathlib import Path
 
     from vaswani_tx.atomic import atomic_folder
     from vaswani_tx.demo.attention_maps import plot_attention_maps
+    from vaswani_tx.engine.settings import check_source_length
     from vaswani_tx.engine.translation import load_translator
     from vaswani_tx.folders import check_writable, refuse_to_replace
     from vaswani_tx.model.errors import UserInputError
@@ -47,7 +55,20 @@ def run(args: argparse.Namespace) -> int:
         return fail("attention", "--sentence is empty: give the sentence to draw attention for")
     check_writable(args.output_dir)
     translator = load_translator(args.model, device="cpu")  # the folder checks `translate` makes
-    config = translator.model.config
+    config, tokenizer = translator.model.config, translator.tokenizer
+    lengths = {"--sentence": len(tokenizer(args.source)["input_ids"])}
+    if args.target is not None:
+        lengths["--translation"] = len(tokenizer(text_target=args.target)["input_ids"])
+    for option, length in lengths.items():
+        if not args.truncate:
+            check_source_length(length, config, option, "shorten it, or pass --truncate to cut it to fit")
+        elif length > config.max_position_embeddings:
+            print(
+                f"vaswani-tx attention: warning: {option} is {length} tokens long, more than the model's "
+                f"{config.max_position_embeddings} positions: cut to its first {config.max_position_embeddings} "
+                "tokens (--truncate)",
+                file=sys.stderr,
+            )
     for kind in args.kinds:
         count = config.num_encoder_layers if kind == "encoder" else config.num_decoder_layers
         stack = {"encoder": "encoder", "decoder": "decoder", "cross": "decoder (cross-attention)"}[kind]
@@ -67,6 +88,7 @@ def run(args: argparse.Namespace) -> int:
             target=args.target,
             kinds=args.kinds,
             layers=layers,
+            truncate=args.truncate,
         )
         paths = [Path(args.output_dir) / path.name for path in drawn]
         refuse_to_replace(paths, args.force)

@@ -155,6 +155,7 @@ def run(args: argparse.Namespace) -> int:
         "device": str(translator.device),
         "dtype": str(translator.model.dtype).removeprefix("torch."),
         "int8": args.int8,
+        "truncate": args.truncate,
         "decoding_seconds": round(seconds, 2),
         "hypotheses": str(hypothesis_file),
     }

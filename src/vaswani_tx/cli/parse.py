@@ -85,6 +85,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     predict.add_argument("--num-beams", type=int, help="beam size (default: the model's generation config)")
     predict.add_argument("--batch-size", type=int, default=32, help="sentences per generate() call (default 32)")
     predict.add_argument("--unconstrained", action="store_true", help=UNCONSTRAINED_HELP)
+    predict.add_argument(
+        "--truncate",
+        action="store_true",
+        help="cut a sentence longer than the model's positions to fit, with a warning (default: refuse it)",
+    )
 
     score = sub.add_parser("score", help="EVALB bracketing scores of predicted trees against gold trees")
     score.add_argument("gold", help="gold treebank file")
@@ -182,6 +187,7 @@ def run(args: argparse.Namespace) -> int:
             num_beams=args.num_beams,
             batch_size=args.batch_size,
             constrained=not args.unconstrained,
+            truncate=args.truncate,
         )
         if args.output:
             parsing.write_trees(trees, args.output)

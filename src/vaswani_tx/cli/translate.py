@@ -1,7 +1,9 @@
 """Translate sentences, a file or standard input with a saved model (paper Section 6.1 decoding).
 
 Decoding follows the model's generation config (the paper's beam 4, length penalty alpha 0.6, at
-most source length + 50 tokens) unless --num-beams / --length-penalty say otherwise. Lines are
+most source length + 50 tokens, never more than the model's positions) unless --num-beams /
+--length-penalty say otherwise. A line longer than the model's positions is refused before any
+decoding, naming its number, unless --truncate cuts it to fit. Lines are
 batched by a token budget in length order and written back in input order, one output line per input
 line: empty lines stay empty. A progress bar goes to standard error.
 
@@ -58,6 +60,12 @@ def add_decoding_arguments(parser: argparse.ArgumentParser) -> None:
         "--int8",
         action="store_true",
         help="int8 products for every linear map, for CPU decoding (weights quantized per output row, activations per call)",
+    )
+    group.add_argument(
+        "--truncate",
+        action="store_true",
+        help="cut a line longer than the model's positions (max_position_embeddings tokens) to fit, with a warning "
+        "(default: refuse it, naming its line, before any decoding)",
     )
     group.add_argument("--quiet", action="store_true", help="no progress bar")
 
@@ -117,6 +125,7 @@ def decoding_options(args: argparse.Namespace) -> dict:
         "max_tokens": args.max_tokens,
         "batch_size": args.batch_size,
         "progress": not args.quiet,
+        "truncate": args.truncate,
     }
     if args.num_beams == 1 and args.length_penalty is None:
         options["length_penalty"] = 1.0  # greedy has no length penalty: no warning about the model's alpha

@@ -57,18 +57,20 @@ def attention_from_ids(model, tokenizer, input_ids: torch.Tensor, decoder_input_
     }
 
 
-def attention_weights(model, tokenizer, source: str, target: str | None = None) -> dict:
+def attention_weights(model, tokenizer, source: str, target: str | None = None, truncate: bool = False) -> dict:
     """Per-kind tuples of (heads, query, key) weight tensors, with the token strings on each axis.
 
-    The decoder reads `<s>` + target and predicts target + `</s>`; its axes show the tokens it reads.
+    The decoder reads `<s>` + target and predicts target + `</s>`; its axes show the tokens it reads. `truncate`
+    cuts a source or target longer than the model's positions to fit (`max_position_embeddings`).
     """
     model.eval()
-    encoded = tokenizer(source, return_tensors="pt").to(model.device)
+    cut = {"truncation": True, "max_length": model.config.max_position_embeddings} if truncate else {}
+    encoded = tokenizer(source, return_tensors="pt", **cut).to(model.device)
     if target is None:
         generated = model.generate(**encoded)[0]
         decoder_input_ids = decoder_inputs_from_output(generated, model.config.eos_token_id)[None]
     else:
-        labels = tokenizer(text_target=target, return_tensors="pt")["input_ids"].to(model.device)
+        labels = tokenizer(text_target=target, return_tensors="pt", **cut)["input_ids"].to(model.device)
         decoder_input_ids = model.prepare_decoder_input_ids_from_labels(labels)
     return attention_from_ids(model, tokenizer, encoded["input_ids"], decoder_input_ids)
 
@@ -112,14 +114,16 @@ def plot_attention_maps(
     target: str | None = None,
     kinds=tuple(KINDS),
     layers: list[int] | None = None,
+    truncate: bool = False,
 ) -> list[Path]:
-    """Write `{kind}-layer{n}.png` files (a grid of heads each) to `output_dir`; returns their paths."""
+    """Write `{kind}-layer{n}.png` files (a grid of heads each) to `output_dir`; returns their paths (`truncate`:
+    `attention_weights`')."""
     unknown = set(kinds) - set(KINDS)
     if unknown:
         raise UserInputError(f"unknown attention kind(s) {sorted(unknown)}; choose from {sorted(KINDS)}")
     output_dir = Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
-    weights = attention_weights(model, tokenizer, source, target)
+    weights = attention_weights(model, tokenizer, source, target, truncate)
     written = []
     for kind in kinds:
         maps = weights[kind]

@@ -19,13 +19,13 @@ that is not a finite number. Characters outside the vocabulary
 (read as `<unk>`, or as bytes by a BPE with byte fallback) are translated with a warning naming them.
 Requests wait in Gradio's queue and reach the model one at a time.
 
-This file travels into the Space (`vaswani_demo/`, with `attention_maps.py` and `errors.py`): it imports torch,
-transformers, matplotlib and Gradio, and those two relatively; `vaswani_tx.engine.translation` only in `build_demo`.
+This file travels into the Space (`vaswani_demo/`, with `attention_maps.py`, the engine's `settings.py` and
+`errors.py`): it imports torch, transformers, matplotlib and Gradio, and those three relatively;
+`vaswani_tx.engine.translation` only in `build_demo`.
 """
 
 from __future__ import annotations
 
-import copy
 import math
 import os
 import re
@@ -34,13 +34,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from vaswani_tx.engine.settings import as_generate_reads, check_source_length
 from vaswani_tx.model.errors import UserInputError
 
 from .attention_maps import KINDS, attention_from_ids, decoder_inputs_from_output, draw_map, heads_figure
 
 INSTALL_HINT = "pip install -e '.[demo]' (in a checkout of vaswani_tx) or pip install gradio"
 SPACE_PACKAGE = "vaswani_demo"
-SPACE_FILES = ("demo.py", "attention_maps.py", "errors.py")
+SPACE_FILES = ("demo.py", "attention_maps.py", "settings.py", "errors.py")
 MAX_BEAMS = 16
 _BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
 _LINE_BREAKS = re.compile("[\n\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029]")  # translation.one_line's
@@ -132,10 +133,8 @@ class DemoPage:
 
     def __init__(self, model, tokenizer, translate: TranslateFn, title: str):
         self.model, self.tokenizer, self._translate, self.title = model, tokenizer, translate, title
-        # the fields a checkpoint leaves None (OPUS-MT sets no length_penalty) as generate() reads them: transformers'
-        # defaults (vaswani_tx.engine.settings.as_generate_reads, which the Space, without vaswani_tx, cannot import)
-        self.config, self.generation = model.config, copy.deepcopy(model.generation_config)
-        self.generation.update(**type(self.generation)._get_default_generation_params(), defaults_only=True)
+        # the fields a checkpoint leaves None (OPUS-MT sets no length_penalty) as generate() reads them
+        self.config, self.generation = model.config, as_generate_reads(model.generation_config)
         self.max_beams = max(MAX_BEAMS, self.generation.num_beams)
 
     def settings(self, num_beams, length_penalty) -> tuple[int, float]:
@@ -154,12 +153,7 @@ class DemoPage:
             raise UserInputError("the text is empty: type a sentence to translate")
         if not text.strip():
             raise UserInputError("the text is only spaces: type a sentence to translate")
-        length, limit = len(self.tokenizer(text)["input_ids"]), self.config.max_position_embeddings
-        if length > limit:
-            raise UserInputError(
-                f"the text is {length} tokens long, more than this model's {limit} positions "
-                "(max_position_embeddings): shorten it or split it into sentences"
-            )
+        check_source_length(len(self.tokenizer(text)["input_ids"]), self.config)
         unknown, as_bytes = unknown_characters(text, self.tokenizer)
         notes = []
         if unknown:
@@ -401,7 +395,7 @@ when the model is pushed with `push_to_hub(..., space="USER/SPACE")`.
 def write_space(folder: str | os.PathLike, repo_id: str, model_dir: str | os.PathLike | None = None) -> list[Path]:
     """Write a Space serving the page for the hub model `repo_id` (a folder path also works, for testing):
     app.py, requirements.txt, README.md (the Spaces front matter, `models: [repo_id]`) and the page's code
-    (this file, attention_maps.py and errors.py in vaswani_demo/). `model_dir`, the local copy of the model,
+    (this file, attention_maps.py, the engine's settings.py and errors.py in vaswani_demo/). `model_dir`, the local copy of the model,
     adds sentencepiece to the requirements when its tokenizer needs it. Returns the files written.
     `vaswani-tx demo --write-space` writes them into a temporary folder that then takes the place of DIR whole."""
     from importlib.metadata import version
@@ -425,10 +419,13 @@ def write_space(folder: str | os.PathLike, repo_id: str, model_dir: str | os.Pat
         package / "__init__.py": '"""The page of `vaswani-tx demo`, copied from vaswani_tx by `--write-space`."""\n',
     }
     here = Path(__file__).parent
-    sources = {"demo.py": here, "attention_maps.py": here, "errors.py": here.parent / "model"}
-    for name in SPACE_FILES:  # one flat package there: the page's imports of errors.py become relative
+    sources = {"demo.py": here, "attention_maps.py": here, "settings.py": here.parent / "engine"}
+    sources["errors.py"] = here.parent / "model"
+    for name in SPACE_FILES:  # one flat package there: the page's imports of each other become relative
         text = (sources[name] / name).read_text(encoding="utf-8")
-        files[package / name] = text.replace("from vaswani_tx.model.errors import", "from .errors import")
+        for module in ("model.errors", "engine.settings"):
+            text = text.replace(f"from vaswani_tx.{module} import", f"from .{module.partition('.')[2]} import")
+        files[package / name] = text
     for path, text in files.items():
         path.write_text(text, encoding="utf-8")
     return list(files)

@@ -13,9 +13,9 @@ The library side of ``vaswani-tx translate`` and ``vaswani-tx evaluate``:
   never sees them) and every output is one line: the count and order of lines never change.
   U+FEFF, U+200B and U+2060 are dropped from each line first (``vocabulary.drop_format_characters``,
   for every tokenizer, converted ones and those trained before their normalizer dropped them), and a
-  line longer than the positions the model was made for (``max_position_embeddings``) is reported
-  with its number: learned positions cannot take it (an error), sinusoids can, but a model that never
-  saw such lengths may stop its translation early (a warning).
+  line longer than the positions the model was made for (``max_position_embeddings``) is refused before
+  any decoding, naming its number and length (``engine.settings.check_source_length``, the demo page's
+  check), or cut to fit with a warning (``truncate=True``, ``--truncate``).
 * ``read_text(path)`` (``vaswani_tx.metrics.evaluation``'s) reads a file or standard input as the ``sacrebleu`` command does (lines end at
   ``\\n`` only; non-UTF-8 input is refused naming the line).
 
@@ -38,6 +38,7 @@ import torch
 
 from vaswani_tx.atomic import write_text
 from vaswani_tx.data.tokenization import check_tokenizer_fits_model, drop_format_characters_in
+from vaswani_tx.engine.settings import check_source_length
 from vaswani_tx.folders import check_safetensors
 from vaswani_tx.metrics.evaluation import read_text
 from vaswani_tx.model.errors import UserInputError
@@ -46,6 +47,7 @@ from vaswani_tx.model.vocabulary import drop_format_characters
 logger = logging.getLogger(__name__)
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
+TOO_LONG = "split it into sentences, or pass --truncate (truncate=True) to cut it to fit"
 
 # Characters str.splitlines() treats as line ends: a hypothesis holding one would shift every later line.
 _LINE_BREAKS = re.compile("[\n\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029]")
@@ -156,6 +158,7 @@ class Translator:
         progress: bool = False,
         processors_for: Callable[[list[int]], list[Any]] | None = None,
         skip_special_tokens: bool = True,
+        truncate: bool = False,
         **generate_kwargs: Any,
     ) -> list[str]:
         """One translation per line, in input order; empty or blank lines give empty lines.
@@ -167,6 +170,8 @@ class Translator:
         ``processors_for(indices)`` gives extra ``LogitsProcessor``s for the batch of ``lines[i]`` for
         ``i`` in ``indices``, in batch order (per-sentence constraints such as the parser's trees).
         ``skip_special_tokens=False`` keeps every token in the text, ``<unk>`` and the markers included.
+        A line of more tokens than the model's positions (``max_position_embeddings``, ``</s>`` counted) is refused
+        before any decoding, naming it (`UserInputError`); ``truncate=True`` cuts it to fit instead, with a warning.
         """
         from tqdm.auto import tqdm
 
@@ -180,7 +185,7 @@ class Translator:
         if not todo:  # nothing but empty or blank lines: as many empty lines out
             return outputs
         encoded = self.tokenizer([lines[i] for i in todo], add_special_tokens=True)["input_ids"]
-        self._check_lengths(todo, encoded)
+        self._fit_lengths(lines, todo, encoded, truncate)
         batches = plan_batches([len(ids) for ids in encoded], max_tokens, batch_size)
         bar = tqdm(total=len(lines), unit="line", desc="Translating", disable=not progress, file=sys.stderr)
         bar.update(len(lines) - len(todo))
@@ -209,26 +214,24 @@ class Translator:
         bar.close()
         return outputs
 
-    def _check_lengths(self, todo: list[int], encoded: list[list[int]]) -> None:
-        """Refuse (learned positions) or report (sinusoids) a line longer than the model's positions."""
+    def _fit_lengths(self, lines: Sequence[str], todo: list[int], encoded: list[list[int]], truncate: bool) -> None:
+        """Refuse a line longer than the model's positions (`check_source_length`), or with `truncate` cut it to
+        fit as its tokenizer cuts (its end-of-sentence kept), one warning a line."""
         config = self.model.config
-        positions = config.max_position_embeddings
-        for index, ids in zip(todo, encoded):
-            if len(ids) <= positions:
-                continue
-            if getattr(config, "position_encoding", "sinusoidal") == "learned":
-                raise UserInputError(
-                    f"line {index + 1} is {len(ids)} tokens long, more than this model's learned positions "
-                    f"allow (max_position_embeddings={positions}): split or shorten it"
+        for row, (index, ids) in enumerate(zip(todo, encoded)):
+            if not truncate:
+                check_source_length(len(ids), config, f"line {index + 1}", TOO_LONG)
+            elif len(ids) > config.max_position_embeddings:
+                logger.warning(
+                    "line %d is %d tokens long, more than the model's %d positions (max_position_embeddings): "
+                    "cut to its first %d tokens (--truncate)",
+                    index + 1,
+                    len(ids),
+                    config.max_position_embeddings,
+                    config.max_position_embeddings,
                 )
-            # sinusoids extend to any length (Section 3.5), but the model never trained on such lengths
-            logger.warning(
-                "line %d is %d tokens long, more than the %d positions the model was made for "
-                "(max_position_embeddings): its translation may stop early; split it into sentences",
-                index + 1,
-                len(ids),
-                positions,
-            )
+                limit = config.max_position_embeddings
+                encoded[row] = self.tokenizer(lines[index], truncation=True, max_length=limit)["input_ids"]
 
 
 def load_translator(

@@ -176,7 +176,8 @@ def check_search_arguments(config: GenerationConfig) -> None:
 def serve(model, translator: Translator | None, inputs, generation_config, logits_processor, kwargs: dict):
     """Decode a `generate()` call whose settings the model has resolved (its GNMT length penalty and per-source
     cap are in `generation_config`/`kwargs` and `logits_processor`), or None where transformers' loops must:
-    greedy or beam search, no sampling, only the sequences returned, no decoder prefix, a model in eval mode.
+    greedy or beam search, no sampling, only the sequences returned, no decoder prefix, a model in eval mode;
+    never more output tokens than the model's positions (`max_position_embeddings`).
     With `translator`, its step (int8, bfloat16); else a float32 or bfloat16 step over the model's own weights."""
     # transformers' order: the config's fields, its defaults where those are None, then the call's arguments
     config = as_generate_reads(generation_config if generation_config is not None else model.generation_config)
@@ -226,6 +227,9 @@ def _search(
         max_length = min(config.max_length + 1, positions)
     else:
         max_length = config.max_length
+    # Never past the positions the model was made for: each output token (</s> too) is read at one, the start
+    # token at the first. A huge max_new_tokens would otherwise allocate and decode that many steps.
+    max_length = min(max_length, positions + 1)
     processors = Processors(processors_for(config, eos, max_length, list(logits_processor or [])))
     attention_mask = kwargs.get("attention_mask")
     if attention_mask is not None and attention_mask.device.type == "cpu" and bool(attention_mask.all()):

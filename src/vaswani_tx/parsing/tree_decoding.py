@@ -199,6 +199,7 @@ def parse(
     batch_size: int = 32,
     tags: bool = False,
     constrained: bool = True,
+    truncate: bool = False,
 ) -> list[Tree]:
     """Parse tokenised sentences (lists of words) with a saved parser; one tree per sentence.
 
@@ -210,7 +211,8 @@ def parse(
     plain beam search, whose output the repair (:func:`~vaswani_tx.parsing.parsing.delinearize`) makes a tree. The
     leaves are the model's ``tree_leaves`` (its generation config; ``"XX"`` when unset). A model trained with
     ``unknown_words: classes`` reads each word outside its vocabulary as that word's class
-    (:func:`~vaswani_tx.parsing.parsing.word_class`); the trees keep the words themselves.
+    (:func:`~vaswani_tx.parsing.parsing.word_class`); the trees keep the words themselves. A sentence longer than
+    the model's positions is refused, naming it, unless ``truncate`` (`Translator.translate`'s).
     """
     translator = model if isinstance(model, Translator) else load_translator(model)
     tokenizer = translator.tokenizer
@@ -255,6 +257,7 @@ def parse(
         batch_size=batch_size,
         processors_for=processors_for,
         skip_special_tokens=leaves == "XX",
+        truncate=truncate,
     )
     if leaves == "words":
         markers = {tokenizer.pad_token, tokenizer.bos_token, tokenizer.eos_token}
