@@ -690,6 +690,16 @@ def test_padded_input_ids_without_a_mask_are_masked_with_one_warning(use_engine,
     assert not [r for r in caplog.records if "attention_mask" in r.getMessage()]
 
 
+def test_an_unset_alpha_is_read_as_transformers_default_in_the_gnmt_form():
+    """A generation config that sets no length_penalty (transformers 5 leaves it None) decodes with alpha 1.0."""
+    model = tiny_model()
+    ids, mask = batch()
+    model.generation_config.length_penalty = None
+    unset = model.generate(input_ids=ids, attention_mask=mask, num_beams=3, max_new_tokens=6)
+    model.generation_config.length_penalty = 1.0
+    assert torch.equal(unset, model.generate(input_ids=ids, attention_mask=mask, num_beams=3, max_new_tokens=6))
+
+
 def test_explicit_max_new_tokens_replaces_the_source_cap():
     model = never_ending(tiny_model())
     ids, mask = batch()

@@ -74,9 +74,9 @@ def test_a_list_is_translated_longest_first_in_batches_and_returned_in_input_ord
         translator(texts, batch_size=0)
 
 
-def test_a_list_is_truncated_post_processed_and_warned_of_as_a_string_is(saved_model, monkeypatch, caplog):
-    """A list's sentences get a string's post-processing and truncation, and an input longer than the model's
-    positions is warned of, naming it."""
+def test_a_list_is_truncated_post_processed_and_refused_as_a_string_is(saved_model, monkeypatch, caplog):
+    """A list's sentences get a string's post-processing and truncation; an input longer than the model's
+    positions is refused, naming it, or with truncation=True cut to them with a warning."""
     _, model, tokenizer = saved_model
     translator = VaswaniTranslationPipeline(model=model, tokenizer=tokenizer, max_new_tokens=5)
     expected = [translator(text, clean_up_tokenization_spaces=True)[0] for text in SENTENCES]
@@ -88,9 +88,11 @@ def test_a_list_is_truncated_post_processed_and_warned_of_as_a_string_is(saved_m
     assert lengths and max(lengths) <= 4
     monkeypatch.undo()
     monkeypatch.setattr(model.config, "max_position_embeddings", 5)
-    with caplog.at_level("WARNING"):
+    with pytest.raises(UserInputError, match=r"the input .* tokens long, more than this model's 5 positions"):
         translator(["Ja.", SENTENCES[0]], max_new_tokens=2)
-    assert "longer than the 5 positions" in caplog.text and "'Ja.'" not in caplog.text
+    with caplog.at_level("WARNING"):
+        cut = translator(["Ja.", SENTENCES[0]], max_new_tokens=2, truncation=True)
+    assert len(cut) == 2 and "is cut to the model's 5 positions" in caplog.text and "'Ja.'" not in caplog.text
 
 
 def test_pipeline_uses_the_papers_decoding_defaults(saved_model):

@@ -45,10 +45,9 @@ def run(args: argparse.Namespace) -> int:
 
     from vaswani_tx.atomic import atomic_folder
     from vaswani_tx.demo.attention_maps import plot_attention_maps
-    from vaswani_tx.engine.settings import check_source_length
     from vaswani_tx.engine.translation import load_translator
     from vaswani_tx.folders import check_writable, refuse_to_replace
-    from vaswani_tx.model.errors import UserInputError
+    from vaswani_tx.model.errors import UserInputError, check_source_length
 
     layers = None if args.layers is None else [n - 1 for n in args.layers]
     if not args.source.strip():

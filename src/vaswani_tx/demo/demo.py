@@ -34,8 +34,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from vaswani_tx.engine.settings import as_generate_reads, check_source_length
-from vaswani_tx.model.errors import UserInputError
+from vaswani_tx.engine.settings import as_generate_reads
+from vaswani_tx.model.errors import UserInputError, check_source_length
 
 from .attention_maps import KINDS, attention_from_ids, decoder_inputs_from_output, draw_map, heads_figure
 

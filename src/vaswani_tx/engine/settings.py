@@ -1,5 +1,4 @@
-"""A generation config's decoding settings as `generate()` reads them, in one line for people, and the longest
-source a model takes.
+"""A generation config's decoding settings as `generate()` reads them, and in one line for people.
 
 transformers 5's `GenerationConfig` leaves every field a checkpoint does not set None (OPUS-MT's
 generation_config.json sets no `length_penalty`, a plain `save_pretrained` no `num_beams`), and `generate()` fills
@@ -7,9 +6,7 @@ those from `GenerationConfig._get_default_generation_params()` when it runs, as 
 alpha 1.0, `max_length` 20, no early stopping. Whatever reads or prints a config's settings (the engine, `convert`,
 `evaluate`, the model card, the exports) reads them through `as_generate_reads`, so that it says what decoding does.
 
-`check_source_length` is the one check of a source's length against `max_position_embeddings`, for the commands,
-`Translator` and the demo page. This file also travels into the Spaces `vaswani-tx demo --write-space` writes: it
-imports transformers and errors.py only.
+This file also travels into the Spaces `vaswani-tx demo --write-space` writes: it imports transformers only.
 """
 
 from __future__ import annotations
@@ -17,8 +14,6 @@ from __future__ import annotations
 import copy
 
 from transformers import GenerationConfig
-
-from vaswani_tx.model.errors import UserInputError
 
 
 def as_generate_reads(config: GenerationConfig) -> GenerationConfig:
@@ -54,22 +49,4 @@ def describe_generation(config: GenerationConfig) -> str:
     )
 
 
-def check_source_length(
-    length: int, config, what: str = "the text", remedy: str = "shorten it or split it into sentences"
-) -> None:
-    """Refuse a source of more tokens (its `</s>` counted) than the positions the model was made for
-    (`config.max_position_embeddings`), naming it (`what`) and its length. Learned positions cannot take it;
-    sinusoids can, but a model that never saw such lengths stops its translation early (a 5,000-word line came out
-    as 28 words), after minutes of beam search over a source that long.
-
-    Raises:
-        UserInputError: `length` is past the positions."""
-    limit = config.max_position_embeddings
-    if length > limit:
-        raise UserInputError(
-            f"{what} is {length} tokens long, more than this model's {limit} positions (max_position_embeddings): "
-            f"{remedy}"
-        )
-
-
-__all__ = ["as_generate_reads", "check_source_length", "describe_generation"]
+__all__ = ["as_generate_reads", "describe_generation"]

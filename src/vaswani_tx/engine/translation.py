@@ -14,7 +14,7 @@ The library side of ``vaswani-tx translate`` and ``vaswani-tx evaluate``:
   U+FEFF, U+200B and U+2060 are dropped from each line first (``vocabulary.drop_format_characters``,
   for every tokenizer, converted ones and those trained before their normalizer dropped them), and a
   line longer than the positions the model was made for (``max_position_embeddings``) is refused before
-  any decoding, naming its number and length (``engine.settings.check_source_length``, the demo page's
+  any decoding, naming its number and length (``model.errors.check_source_length``, the demo page's
   check), or cut to fit with a warning (``truncate=True``, ``--truncate``).
 * ``read_text(path)`` (``vaswani_tx.metrics.evaluation``'s) reads a file or standard input as the ``sacrebleu`` command does (lines end at
   ``\\n`` only; non-UTF-8 input is refused naming the line).
@@ -38,10 +38,9 @@ import torch
 
 from vaswani_tx.atomic import write_text
 from vaswani_tx.data.tokenization import check_tokenizer_fits_model, drop_format_characters_in
-from vaswani_tx.engine.settings import check_source_length
 from vaswani_tx.folders import check_safetensors
 from vaswani_tx.metrics.evaluation import read_text
-from vaswani_tx.model.errors import UserInputError
+from vaswani_tx.model.errors import UserInputError, check_source_length
 from vaswani_tx.model.vocabulary import drop_format_characters
 
 logger = logging.getLogger(__name__)

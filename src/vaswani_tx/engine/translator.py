@@ -196,7 +196,13 @@ def serve(model, translator: Translator | None, inputs, generation_config, logit
 
 
 def _search(
-    model, translator: Translator | None, config: GenerationConfig, length_unset: bool, inputs, logits_processor, kwargs
+    model,
+    translator: Translator | None,
+    config: GenerationConfig,
+    length_unset: bool,
+    inputs,
+    logits_processor,
+    kwargs,
 ):
     input_ids = kwargs.get("input_ids", inputs)
     stopping = kwargs.get("stopping_criteria")

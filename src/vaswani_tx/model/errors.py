@@ -52,6 +52,24 @@ def check_decoder_mask(mask, length: int, past_length: int) -> None:
         )
 
 
+def check_source_length(
+    length: int, config, what: str = "the text", remedy: str = "shorten it or split it into sentences"
+) -> None:
+    """Refuse a source of more tokens (its `</s>` counted) than the positions the model was made for
+    (`config.max_position_embeddings`), naming it (`what`) and its length. Learned positions cannot take it;
+    sinusoids can, but a model that never saw such lengths stops its translation early (a 5,000-word line came out
+    as 28 words), after minutes of beam search over a source that long.
+
+    Raises:
+        UserInputError: `length` is past the positions."""
+    limit = config.max_position_embeddings
+    if length > limit:
+        raise UserInputError(
+            f"{what} is {length} tokens long, more than this model's {limit} positions (max_position_embeddings): "
+            f"{remedy}"
+        )
+
+
 # The config fields that set each dimension of a weight: (pattern of the weight's name, one field per dimension).
 # A field config.json does not give takes VaswaniConfig's default (the base model's), which the weights may not have.
 _H_DK, _H_DV = "num_heads * d_k", "num_heads * d_v"
@@ -147,6 +165,7 @@ __all__ = [
     "UserInputError",
     "check_decoder_mask",
     "check_mask",
+    "check_source_length",
     "check_token_ids",
     "load_fitting_weights",
     "weights_against_config",

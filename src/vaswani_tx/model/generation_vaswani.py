@@ -209,8 +209,9 @@ class VaswaniGenerationMixin(GenerationMixin):
             raise UserInputError(
                 f"length_penalty_type={penalty_type!r} is not allowed; choose 'gnmt' (the paper's) or 'hf'."
             )
-        if penalty_type == "gnmt":
-            kwargs["length_penalty"] = GNMTLengthPenalty(kwargs.get("length_penalty", config.length_penalty))
+        if penalty_type == "gnmt":  # alpha unset: transformers' default, 1.0
+            alpha = kwargs.get("length_penalty", config.length_penalty)
+            kwargs["length_penalty"] = GNMTLengthPenalty(1.0 if alpha is None else alpha)
         ids, pad = (inputs if inputs is not None else kwargs.get("input_ids")), self.config.pad_token_id
         ids = ids if isinstance(ids, torch.Tensor) and ids.dtype == torch.long else None
         if kwargs.get("attention_mask") is None and ids is not None and pad is not None and bool(ids.eq(pad).any()):

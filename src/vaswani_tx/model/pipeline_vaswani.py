@@ -15,8 +15,9 @@ model object with `VaswaniTranslationPipeline(model=model, tokenizer=tokenizer)`
 Like every command, the pipeline refuses a tokenizer that does not fit the model
 (`vocabulary.check_tokenizer_fits_model`: sizes, special ids, and the fingerprint of the tokenizer the model was
 trained or converted with, so another model's tokenizer of the same size is refused rather than decoded into
-gibberish), drops U+FEFF, U+200B and U+2060 from the text (`vocabulary.drop_format_characters`), and warns about
-an input longer than the positions the model was made for (`max_position_embeddings`).
+gibberish), drops U+FEFF, U+200B and U+2060 from the text (`vocabulary.drop_format_characters`), and refuses an
+input longer than the positions the model was made for (`max_position_embeddings`), or with `truncation=True` cuts
+it to them with a warning.
 
 This file is copied next to saved weights: it imports only transformers and the files that travel with it.
 """
@@ -27,7 +28,7 @@ import logging
 
 from transformers import Pipeline
 
-from .errors import UserInputError
+from .errors import UserInputError, check_source_length
 from .vocabulary import check_tokenizer_fits_model, drop_format_characters
 
 logger = logging.getLogger(__name__)
@@ -88,20 +89,17 @@ class VaswaniTranslationPipeline(Pipeline):
         return results
 
     def preprocess(self, text: str, truncation: bool = False):
-        inputs = self.tokenizer(drop_format_characters(text), return_tensors="pt", truncation=truncation)
-        self._warn_if_long(text, inputs["input_ids"].shape[1])
-        return inputs
-
-    def _warn_if_long(self, text: str, length: int) -> None:
-        positions = self.model.config.max_position_embeddings
-        if length > positions:
+        text = drop_format_characters(text)
+        inputs = self.tokenizer(text, return_tensors="pt", truncation=truncation)
+        positions, length = self.model.config.max_position_embeddings, inputs["input_ids"].shape[1]
+        if truncation and length > positions:  # the tokenizer's own limit may be longer than the model's
             logger.warning(
-                "an input of %d tokens (%r...) is longer than the %d positions the model was made for "
-                "(max_position_embeddings): its translation may stop early; split it into sentences",
-                length,
-                text[:40],
-                positions,
+                "an input of %d tokens (%r...) is cut to the model's %d positions", length, text[:40], positions
             )
+            inputs = self.tokenizer(text, return_tensors="pt", truncation=True, max_length=positions)
+        what = f"the input {text[:40]!r}..."
+        check_source_length(inputs["input_ids"].shape[1], self.model.config, what, "split it or pass truncation=True")
+        return inputs
 
     def _forward(self, model_inputs, **generate_kwargs):
         model_inputs.pop("token_type_ids", None)
