@@ -568,14 +568,19 @@ def test_truncated_or_corrupt_checkpoint_is_refused(tiny_recipe, tmp_path):
     optimizer.write_bytes(optimizer.read_bytes()[: optimizer.stat().st_size // 2])
     with pytest.raises(CheckpointError, match="optimizer.pt is truncated or corrupt"):
         check_checkpoint(older)
-    with pytest.raises(CheckpointError, match="no usable checkpoint"):
-        resume_checkpoint(tmp_path / "run", resume=True)
     (older / "trainer_state.json").unlink()
     with pytest.raises(CheckpointError, match="missing trainer_state.json"):
         check_checkpoint(older)
-    # and a run folder with checkpoints is not silently overwritten
+    # a run folder with checkpoints is not silently overwritten
     with pytest.raises(CheckpointError, match="pass --resume"):
         resume_checkpoint(tmp_path / "run", resume=False)
+    # --resume with no complete checkpoint starts a new run, the unusable ones kept under another name
+    files = {path.name: sorted(p.name for p in path.iterdir()) for path in (older, newest)}
+    assert resume_checkpoint(tmp_path / "run", resume=True) is None
+    assert not older.exists() and not newest.exists()
+    assert {
+        name: sorted(p.name for p in (tmp_path / "run" / f"incomplete-{name}").iterdir()) for name in files
+    } == files
 
 
 def test_resume_with_another_data_order_is_refused(tiny_recipe, tmp_path):

@@ -99,7 +99,8 @@ def check_checkpoint(folder: str | os.PathLike, for_resume: bool = True) -> None
 
 
 def resume_checkpoint(output_dir: str | os.PathLike, resume: bool) -> str | None:
-    """The checkpoint to resume from: the last one when ``resume``; refuses to start over an existing run."""
+    """The checkpoint to resume from: the last complete one when ``resume`` (None: a new run; unusable checkpoint
+    folders are then renamed ``incomplete-checkpoint-N``, their files kept); refuses to start over an existing run."""
     output_dir = Path(output_dir)
     existing = checkpoint_folders(output_dir) if output_dir.is_dir() else []
     if not resume:
@@ -123,10 +124,19 @@ def resume_checkpoint(output_dir: str | os.PathLike, resume: bool) -> str | None
             problems.append(str(err))
             continue
         return str(folder)
-    raise CheckpointError(
-        f"no usable checkpoint in {output_dir} to resume from: {'; '.join(problems)}; nothing was changed: "
-        "move these folders out of output_dir to start a new run there"
-    )
+    # No complete checkpoint: a new run, as --resume promises. The unusable folders keep their files under another
+    # name, so that nothing is lost and no later average or rotation takes them for this run's checkpoints.
+    for folder in existing:
+        aside = folder.with_name(f"incomplete-{folder.name}")
+        while aside.exists():
+            aside = aside.with_name(aside.name + "+")
+        try:
+            folder.rename(aside)
+        except FileNotFoundError:  # another process of this run moved it first
+            continue
+        logger.warning("moved %s, which cannot be resumed, to %s", folder.name, aside.name)
+    logger.warning("no complete checkpoint in %s (%s): starting a new run", output_dir, "; ".join(problems))
+    return None
 
 
 # ---- a checkpoint written whole ----
