@@ -429,7 +429,7 @@ def test_ctrl_c_in_train_says_what_was_saved_and_how_to_resume(ws, tmp_path, cap
     import vaswani_tx.training.checkpoints
     import vaswani_tx.training.recipe
 
-    def interrupted(recipe, arguments, resume=False, force=False):  # checkpoint-20 complete, -30 being written
+    def interrupted(recipe, arguments, resume=False, force=False, callbacks=()):  # -20 complete, -30 half written
         (Path(arguments.output_dir) / "checkpoint-30").mkdir(parents=True)
         (Path(arguments.output_dir) / "checkpoint-20").mkdir(parents=True)
         raise KeyboardInterrupt
