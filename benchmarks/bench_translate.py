@@ -17,7 +17,7 @@ Implementations, each in a fresh process (nothing warm), each decoding with the 
 - translate-auto:  the same with `--dtype auto` (bfloat16 where the CPU has bf16 instructions);
 - translate-int8:  the same with `--int8`;
 - pipeline:        `pipeline("translation", model=MODEL, trust_remote_code=True)` on the whole list: its own batching,
-                   sorted by length, 4,096 padded source tokens a batch (the budget translate and ct2 get here);
+                   longest first, 32 sentences a batch (its default; translate and ct2 get 4,096 padded tokens);
 - ct2, ct2-int8:   CTranslate2 `translate_batch` with `ct2_decoding_options` (its length penalty is |Y|^alpha,
                    not the GNMT form: the one difference in settings), float32 and int8 (its best CPU types;
                    CTranslate2 offers no bfloat16 on CPU).
